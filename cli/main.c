@@ -1,0 +1,46 @@
+/* main: `moerl <command> ...` dispatch. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/commands.h"
+#include "core/status.h"
+
+const cli_command_t *const cli_commands[] = {
+    NULL,
+};
+
+static void usage(FILE *out) {
+    fprintf(out, "moerl %s: reinforcement-learning post-training for mixture-of-experts models\n\n"
+                 "usage: moerl <command> [options]\n       moerl <command> --help\n"
+                 "       moerl --version\n\ncommands:\n",
+            MOERL_VERSION);
+    for (int i = 0; cli_commands[i]; i++)
+        fprintf(out, "  %-14s %s\n", cli_commands[i]->name, cli_commands[i]->summary);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) {
+        printf("moerl %s\n", MOERL_VERSION);
+        return 0;
+    }
+    for (int i = 0; cli_commands[i]; i++) {
+        const cli_command_t *c = cli_commands[i];
+        if (strcmp(argv[1], c->name) != 0)
+            continue;
+        if (cli_wants_help(argc - 1, argv + 1)) {
+            c->help(stdout);
+            return 0;
+        }
+        return c->run(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "moerl: unknown command '%s' (see moerl --help)\n", argv[1]);
+    return 2;
+}
