@@ -12,6 +12,11 @@ if(NOT MOERL_CUDA STREQUAL "OFF")
 endif()
 
 if(MOERL_HAVE_CUDA)
+  # Set before enable_language(CUDA), which otherwise fills in nvcc's own
+  # default (sm_75 for CUDA 13) and hides that none was chosen.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+    set(CMAKE_CUDA_ARCHITECTURES 90-real 80-virtual)
+  endif()
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
   if(NOT CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
