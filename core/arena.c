@@ -39,6 +39,10 @@ static arena_block_t *block_new(size_t cap) {
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 void *arena_alloc(arena_t *a, size_t bytes) {
+    if (bytes > SIZE_MAX - ARENA_ALIGN) { /* rounding up would wrap around */
+        mo_errorf(MO_ENOMEM, "arena: cannot allocate %zu bytes", bytes);
+        return NULL;
+    }
     size_t need = round_up(bytes ? bytes : 1, ARENA_ALIGN);
     arena_block_t *b = a->head;
     if (!b || b->cap - b->off < need) {
@@ -61,7 +65,13 @@ void *arena_alloc(arena_t *a, size_t bytes) {
     return p;
 }
 
-float *arena_floats(arena_t *a, size_t n) { return arena_alloc(a, n * sizeof(float)); }
+float *arena_floats(arena_t *a, size_t n) {
+    if (n > SIZE_MAX / sizeof(float)) {
+        mo_errorf(MO_ENOMEM, "arena: cannot allocate %zu floats", n);
+        return NULL;
+    }
+    return arena_alloc(a, n * sizeof(float));
+}
 
 void *arena_calloc(arena_t *a, size_t bytes) {
     void *p = arena_alloc(a, bytes);

@@ -34,8 +34,9 @@ int dtype_from_name(const char *name, dtype_t *out);
 int dtype_is_float(dtype_t dt);
 
 /* Scalar conversions, round-to-nearest-even; NaN stays NaN. f32 -> f16
- * overflows to infinity; f32 -> fp8-e4m3 rounds to 448 up to (not
- * including) 480 and gives NaN beyond, as PyTorch's float8_e4m3fn does. */
+ * overflows to infinity; f32 -> fp8-e4m3 gives 448 up to 464 (the tie
+ * rounds to even) and NaN above it, where rounding reaches the NaN code, as
+ * PyTorch's float8_e4m3fn does. */
 uint16_t f32_to_bf16(float f);
 float bf16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);

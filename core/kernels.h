@@ -9,7 +9,8 @@
  * - Forward functions overwrite their outputs. Backward functions ACCUMULATE
  *   (+=) into every gradient output, which callers zero first; a NULL gradient
  *   output is skipped.
- * - Outputs come first, inputs after. No op allocates from the system.
+ * - Outputs come first, inputs after. No op allocates per call; a CPU op may
+ *   keep a grow-only per-thread scratch buffer (see core/cpu/scratch.h).
  */
 #ifndef MOERL_CORE_KERNELS_H
 #define MOERL_CORE_KERNELS_H
