@@ -5,7 +5,10 @@
 #include "cli/commands.h"
 #include "core/status.h"
 
+extern const cli_command_t cmd_config;
+
 const cli_command_t *const cli_commands[] = {
+    &cmd_config,
     NULL,
 };
 
