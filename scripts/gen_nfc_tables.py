@@ -65,7 +65,8 @@ def rows(items, width=100):
 def generate():
     ccc = ccc_ranges()
     dec = decompositions()
-    lines = [BEGIN, '#define NFC_UNICODE_VERSION "%s"' % ud.unidata_version, ""]
+    lines = [BEGIN, "/* clang-format off */",
+             '#define NFC_UNICODE_VERSION "%s"' % ud.unidata_version, ""]
     lines.append("static const nfc_ccc_range_t nfc_ccc[%d] = {" % len(ccc))
     lines += rows(["{0x%X, 0x%X, %d}," % tuple(r) for r in ccc])
     lines.append("};")
@@ -74,6 +75,7 @@ def generate():
     lines.append("static const nfc_decomp_t nfc_decomp[%d] = {" % len(dec))
     lines += rows(["{0x%X, 0x%X, 0x%X, %d}," % d for d in dec])
     lines.append("};")
+    lines.append("/* clang-format on */")
     lines.append(END)
     return "\n".join(lines)
 
