@@ -1,0 +1,194 @@
+/* model: the policy model, a mixture-of-experts transformer on a frozen Hugging Face
+ * checkpoint with LoRA adapters: loading, forward (per-token logprob and entropy over a
+ * packed batch) and backward (LoRA gradients). */
+#ifndef MOERL_ACTOR_MODEL_H
+#define MOERL_ACTOR_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "actor/model_config.h"
+#include "core/arena.h"
+#include "core/kernels.h"
+#include "core/safetensors.h"
+#include "lora/adapter.h"
+#include "lora/lora.h"
+#include "moe/mlp.h"
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Shapes: B sequences, T tokens of a packed batch, D model width, H query heads, Hkv kv
+ * heads, Dh head dim, E routed experts, K experts per token, F expert hidden width, V
+ * vocabulary, L layers, M MoE layers.
+ *
+ * Layer l computes, on the residual stream x (T, D):
+ *   a = rmsnorm(x) ; q, k, v = a Wq^T, a Wk^T, a Wv^T (+ LoRA)
+ *   (Qwen3) per-head rmsnorm of q and k ; RoPE (rotate-half) on q and k
+ *   o = causal GQA attention (sliding window on some layers) ; h = x + o Wo^T (+ LoRA)
+ *   x' = h + ffn(rmsnorm(h)), ffn = the MoE layer or a dense SwiGLU MLP.
+ * Then the final rmsnorm, lm_head (in chunks of rows: the (T, V) logits are never kept)
+ * and the log-probability of each target and the entropy at temperature tau.
+ *
+ * Everything runs on the host through the CPU kernel table. Frozen matrices stay in the
+ * checkpoint's dtype as views into its mapping; norm vectors are f32 copies. */
+
+/* Options for model_open. Zero-initialised options are the defaults. */
+typedef struct model_opts {
+    int recompute;         /* 1: forward keeps each layer's input only; backward recomputes
+                            * the layer (same gradients, less memory) */
+    int logits_chunk_rows; /* rows of logits formed at a time; 0: (1 << 22) / V, >= 1 */
+    float aux_coef;        /* load-balancing loss coefficient (moe_cfg_t.aux_coef): 0 = off.
+                            * Hugging Face's Mixtral loss is aux_coef = K * router_aux_loss_coef */
+} model_opts_t;
+
+/* One decoder layer's frozen weights and the adapters bound to them. */
+typedef struct model_layer {
+    int moe;       /* 1: mixture of experts, 0: dense MLP */
+    int moe_index; /* index among the MoE layers (routing layout), -1 for a dense layer */
+    int window;    /* attention window (0: full causal) */
+
+    const float *attn_norm; /* (D) input_layernorm */
+    wview_t wq;             /* (H Dh, D) q_proj */
+    wview_t wk;             /* (Hkv Dh, D) k_proj */
+    wview_t wv;             /* (Hkv Dh, D) v_proj */
+    wview_t wo;             /* (D, H Dh) o_proj */
+    const float *q_norm;    /* (Dh) per-head q RMSNorm (Qwen3), or NULL */
+    const float *k_norm;    /* (Dh) per-head k RMSNorm (Qwen3), or NULL */
+    const lora_pair_t *lora_q, *lora_k, *lora_v, *lora_o; /* bound adapters, or NULL */
+    const float *mlp_norm;                                /* (D) post_attention_layernorm */
+
+    /* MoE layer: moe_w.gate/up/down point into experts, moe_w.lora_* into expert_lora;
+     * moe_w.shared holds the shared experts when moe_cfg.n_shared > 0. */
+    moe_cfg_t moe_cfg;
+    moe_weights_t moe_w;
+    wview_t *experts;                /* (3, E) gate, up, down of each expert */
+    const lora_pair_t **expert_lora; /* (3, E) adapters of gate, up, down, or NULL */
+    const float *e_bias;             /* (E) e_score_correction_bias (DeepSeek), or NULL */
+
+    /* Dense layer: width F = intermediate_size. */
+    mlp_weights_t dense;
+} model_layer_t;
+
+/* Load statistics of one MoE layer from the last forward. */
+typedef struct model_moe_stats {
+    int layer;       /* decoder layer index */
+    int64_t *load;   /* (E) token slots routed to each expert */
+    float imbalance; /* max / mean of load */
+    float aux_loss;  /* balance loss value (0 when aux_coef is 0) */
+} model_moe_stats_t;
+
+typedef struct model_step model_step_t; /* what the last forward kept, in the arena */
+
+typedef struct model {
+    model_config_t cfg;
+    model_opts_t opts;
+    char *path;          /* the directory or file it was loaded from */
+    st_checkpoint_t *ck; /* owns the mapped weights */
+    const kernels_t *k;  /* CPU kernel table */
+    int L, D, H, Hkv, Dh, E, K;
+    int V;
+    int n_moe;               /* M: MoE layers */
+    wview_t embed;           /* (V, D) model.embed_tokens */
+    wview_t lm_head;         /* (V, D) lm_head, or embed when tied */
+    const float *final_norm; /* (D) model.norm */
+    model_layer_t *layers;   /* (L) */
+    float *inv_freq;         /* (Dh / 2) RoPE frequencies */
+    float rope_mscale;       /* cos/sin multiplier from the RoPE scaling */
+    float attn_scale;        /* 1 / sqrt(Dh) */
+    float eps;               /* rms_norm_eps */
+
+    /* Projections offered to adapters, in layer order: q, k, v, o; then each routed
+     * expert's gate, up, down (expert by expert); the shared experts' gate, up, down;
+     * or the dense MLP's gate, up, down. */
+    int n_modules;
+    lora_module_desc_t *modules;      /* (n_modules) */
+    const lora_pair_t ***module_slot; /* (n_modules) where each module's adapter is bound */
+    lora_pair_t *pairs;               /* (n_modules) views into the bound adapter */
+    const lora_adapter_t *adapter;    /* bound adapter or NULL */
+
+    model_moe_stats_t *stats; /* (M) from the last forward */
+
+    arena_t arena;   /* the step: activations kept for backward */
+    arena_t scratch; /* per-layer temporaries, reset after each layer */
+    model_step_t *step;
+
+    float *vecs;                   /* f32 copies of the norm vectors and biases, inv_freq */
+    wview_t *views;                /* expert weight views of every MoE layer */
+    const lora_pair_t **lora_ptrs; /* expert adapter slots of every MoE layer */
+    float **scales;                /* (n_scales) fp8 block scales (malloc'd) */
+    int n_scales, cap_scales;
+} model_t;
+
+/* Loads a Hugging Face model directory: config.json (model_config_load) and the
+ * weights (model.safetensors or a sharded model.safetensors.index.json). opts may be
+ * NULL. Errors name the file and the tensor with the expected shape: a missing tensor
+ * is MO_ENOTFOUND, a wrong shape or dtype MO_EMALFORMED. DeepSeek-V3 / Kimi K2
+ * checkpoints are refused with MO_EUNSUPPORTED: their MLA attention is not supported
+ * yet. */
+int model_open(model_t **out, const char *dir, const model_opts_t *opts);
+/* The same from a config built in code and a checkpoint path (as st_checkpoint_open
+ * takes it). */
+int model_open_config(model_t **out, const model_config_t *cfg, const char *weights,
+                      const model_opts_t *opts);
+void model_destroy(model_t **m);
+
+/* Binds an adapter (its entries must name modules of this model with matching shapes;
+ * MO_EINVAL naming the first that does not), or NULL for the base model (the reference
+ * policy). The adapter must outlive the binding. Gradients flow into the adapter's grad
+ * buffer when it has one. Invalidates the last forward. */
+int model_set_adapter(model_t *m, const lora_adapter_t *ad);
+
+/* A packed batch of B sequences: sequence b holds tokens cu_seqlens[b] ..
+ * cu_seqlens[b+1]-1. Read during model_forward only (what backward needs is copied). */
+typedef struct model_batch {
+    int T;                     /* tokens */
+    int B;                     /* sequences */
+    const int32_t *tokens;     /* (T) input ids in [0, V) */
+    const int32_t *positions;  /* (T) >= 0, each token's position in its sequence (RoPE) */
+    const int32_t *cu_seqlens; /* (B + 1) 0 = cu[0] <= cu[1] <= ... <= cu[B] = T */
+    const int32_t *targets;    /* (T) id whose logprob is wanted at each token; -1: none */
+    float temperature;         /* > 0: logits are divided by it */
+    const uint16_t *replay;    /* (T, M, K) experts to use (routing replay), or NULL */
+    uint16_t *routing;         /* (T, M, K) receives the experts used, or NULL */
+} model_batch_t;
+
+/* positions[t] = t - cu[b] and targets[t] = tokens[t + 1] within each sequence, -1 at
+ * each sequence's last token: the usual next-token scoring of packed sequences. */
+void model_batch_next_token(int32_t *positions, int32_t *targets, const int32_t *tokens,
+                            const int32_t *cu_seqlens, int B);
+
+/* Forward over a batch: logp (T) the log-probability of each target (0 where the
+ * target is -1), entropy (T, or NULL) of each token's next-token distribution, both at
+ * the batch's temperature. for_backward = 1 keeps what model_backward needs (in the
+ * model's arena, until the next forward); 0 keeps nothing (inference, less memory).
+ * Bad inputs (ids, cu_seqlens, replay indices) are MO_EINVAL / MO_EMALFORMED with the
+ * position named. Deterministic: the same inputs give the same bits on a fixed thread
+ * count. */
+int model_forward(model_t *m, const model_batch_t *b, float *logp, float *entropy,
+                  int for_backward);
+
+/* Backward of the last forward (made with for_backward = 1 and the same adapter): from
+ * dlogp (T) and dentropy (T, or NULL) the bound adapter's dA and dB ACCUMULATE (the
+ * caller zeroes them: lora_adapter_zero_grads). dlogp is ignored where the target is
+ * -1. With aux_coef > 0 the balance losses are taken as added to the objective.
+ * MO_ESTATE when there is no such forward. */
+int model_backward(model_t *m, const float *dlogp, const float *dentropy);
+
+/* Sum of the MoE layers' balance losses from the last forward (0 when aux_coef is 0). */
+float model_aux_loss(const model_t *m);
+
+/* Pieces for other decoding paths (e.g. a KV-cache engine). */
+/* x (T, D) = embedding rows of ids (which must be in [0, V)). */
+void model_embed(const model_t *m, float *x, const int32_t *ids, int T);
+/* logits (n, V) = lm_head(rmsnorm(x)) for n rows of the residual stream x (n, D);
+ * normed (n, D) and rstd (n) receive the final norm's output and scales. */
+void model_logits(const model_t *m, float *logits, float *normed, float *rstd, const float *x,
+                  int n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,519 @@
+/* model_load: building a model_t from a Hugging Face checkpoint (tensor names, shapes,
+ * views into the mapping), its adapter module list, and adapter binding. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "actor/model.h"
+#include "core/backend.h"
+#include "core/status.h"
+
+#define NAME_CAP 256
+
+static void tname(char *buf, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tname(char *buf, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, NAME_CAP, fmt, ap);
+    va_end(ap);
+}
+
+static int push_scale(model_t *m, float *scale) {
+    if (!scale)
+        return MO_OK;
+    if (m->n_scales == m->cap_scales) {
+        int cap = m->cap_scales ? 2 * m->cap_scales : 16;
+        float **s = realloc(m->scales, sizeof *s * (size_t)cap);
+        if (!s) {
+            free(scale);
+            return mo_errorf(MO_ENOMEM, "model: out of memory for weight scales");
+        }
+        m->scales = s;
+        m->cap_scales = cap;
+    }
+    m->scales[m->n_scales++] = scale;
+    return MO_OK;
+}
+
+/* A frozen matrix (rows, cols) as a view into the checkpoint. */
+static int load_matrix(model_t *m, const char *name, int64_t rows, int64_t cols, wview_t *w) {
+    if (st_checkpoint_find(m->ck, name) < 0)
+        return mo_errorf(MO_ENOTFOUND, "%s: tensor \"%s\" is missing (expected shape (%lld, %lld))",
+                         m->path, name, (long long)rows, (long long)cols);
+    tensor_t t;
+    float *scale = NULL;
+    int rc = st_checkpoint_weight(m->ck, name, m->cfg.fp8_block, &t, w, &scale);
+    if (rc < 0)
+        return mo_error_wrap(rc, "%s: tensor \"%s\"", m->path, name);
+    TRY(push_scale(m, scale));
+    if (t.ndim != 2 || t.shape[0] != rows || t.shape[1] != cols) {
+        char got[96];
+        tensor_shape_str(&t, got, sizeof got);
+        return mo_errorf(MO_EMALFORMED, "%s: tensor \"%s\" has shape %s, expected (%lld, %lld)",
+                         m->path, name, got, (long long)rows, (long long)cols);
+    }
+    return MO_OK;
+}
+
+/* A small vector (n) converted to f32 into dst. */
+static int load_vector(model_t *m, const char *name, int64_t n, float *dst) {
+    if (st_checkpoint_find(m->ck, name) < 0)
+        return mo_errorf(MO_ENOTFOUND, "%s: tensor \"%s\" is missing (expected shape (%lld))",
+                         m->path, name, (long long)n);
+    tensor_t t;
+    TRY(st_checkpoint_get(m->ck, name, &t));
+    if (t.ndim != 1 || t.shape[0] != n) {
+        char got[96];
+        tensor_shape_str(&t, got, sizeof got);
+        return mo_errorf(MO_EMALFORMED, "%s: tensor \"%s\" has shape %s, expected (%lld)", m->path,
+                         name, got, (long long)n);
+    }
+    if (!dtype_is_float(t.dtype) || t.dtype == DT_F64)
+        return mo_errorf(MO_EMALFORMED, "%s: tensor \"%s\" has dtype %s, expected a float type",
+                         m->path, name, dtype_name(t.dtype));
+    convert_to_f32(dst, t.data, t.dtype, (size_t)n);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(dst[i]))
+            return mo_errorf(MO_EMALFORMED, "%s: tensor \"%s\" holds a non-finite value at %lld",
+                             m->path, name, (long long)i);
+    return MO_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Layers.                                                                   */
+
+/* Floats of f32 vectors the model keeps. */
+static size_t vec_floats(const model_config_t *c) {
+    size_t D = (size_t)c->hidden_size, per = 2 * D;
+    if (c->arch == ARCH_QWEN3_MOE)
+        per += 2 * (size_t)c->head_dim;
+    if (c->scoring_func == SCORE_SIGMOID)
+        per += (size_t)c->num_experts;
+    return per * (size_t)c->num_hidden_layers + D + (size_t)c->head_dim / 2;
+}
+
+/* The router configuration of the model's MoE layers. */
+static void router_of(router_cfg_t *r, const model_config_t *c, const float *bias) {
+    int norm = c->norm_topk_prob;
+    float rsf = (float)c->routed_scaling_factor;
+    if (c->scoring_func == SCORE_SIGMOID) {
+        router_cfg_init(r, ROUTER_SIGMOID_GROUPED, c->num_experts, c->num_experts_per_tok);
+        r->routed_scaling_factor = rsf;
+        r->e_score_correction_bias = bias;
+    } else {
+        router_kind_t kind = c->topk_method == TOPK_GROUP_LIMITED_GREEDY ? ROUTER_SOFTMAX_GROUPED
+                                                                         : ROUTER_SOFTMAX_TOPK;
+        router_cfg_init(r, kind, c->num_experts, c->num_experts_per_tok);
+        r->routed_scaling_factor = norm ? 1.0f : rsf; /* scaled only when not renormalised */
+    }
+    r->norm_topk_prob = norm;
+    if (r->kind != ROUTER_SOFTMAX_TOPK) {
+        r->n_group = c->n_group;
+        r->topk_group = c->topk_group;
+    }
+}
+
+static int load_attention(model_t *m, model_layer_t *ly, int l, float **vec) {
+    char n[NAME_CAP];
+    int64_t D = m->D, qd = (int64_t)m->H * m->Dh, kvd = (int64_t)m->Hkv * m->Dh;
+    tname(n, "model.layers.%d.input_layernorm.weight", l);
+    TRY(load_vector(m, n, D, *vec));
+    ly->attn_norm = *vec;
+    *vec += D;
+    tname(n, "model.layers.%d.self_attn.q_proj.weight", l);
+    TRY(load_matrix(m, n, qd, D, &ly->wq));
+    tname(n, "model.layers.%d.self_attn.k_proj.weight", l);
+    TRY(load_matrix(m, n, kvd, D, &ly->wk));
+    tname(n, "model.layers.%d.self_attn.v_proj.weight", l);
+    TRY(load_matrix(m, n, kvd, D, &ly->wv));
+    tname(n, "model.layers.%d.self_attn.o_proj.weight", l);
+    TRY(load_matrix(m, n, D, qd, &ly->wo));
+    if (m->cfg.arch == ARCH_QWEN3_MOE) {
+        tname(n, "model.layers.%d.self_attn.q_norm.weight", l);
+        TRY(load_vector(m, n, m->Dh, *vec));
+        ly->q_norm = *vec;
+        *vec += m->Dh;
+        tname(n, "model.layers.%d.self_attn.k_norm.weight", l);
+        TRY(load_vector(m, n, m->Dh, *vec));
+        ly->k_norm = *vec;
+        *vec += m->Dh;
+    }
+    tname(n, "model.layers.%d.post_attention_layernorm.weight", l);
+    TRY(load_vector(m, n, D, *vec));
+    ly->mlp_norm = *vec;
+    *vec += D;
+    return MO_OK;
+}
+
+/* gate, up, down of an MLP at prefix ("model.layers.3.mlp.") with hidden width F. */
+static int load_mlp(model_t *m, mlp_weights_t *w, const char *prefix, int64_t F) {
+    char n[NAME_CAP];
+    tname(n, "%sgate_proj.weight", prefix);
+    TRY(load_matrix(m, n, F, m->D, &w->gate));
+    tname(n, "%sup_proj.weight", prefix);
+    TRY(load_matrix(m, n, F, m->D, &w->up));
+    tname(n, "%sdown_proj.weight", prefix);
+    TRY(load_matrix(m, n, m->D, F, &w->down));
+    return MO_OK;
+}
+
+/* Routed expert e's gate, up, down (Mixtral: w1, w3, w2). */
+static int load_expert(model_t *m, model_layer_t *ly, int l, int e) {
+    static const char *const hf[3] = {"gate_proj", "up_proj", "down_proj"};
+    static const char *const mx[3] = {"w1", "w3", "w2"};
+    int mixtral = m->cfg.arch == ARCH_MIXTRAL;
+    int64_t F = m->cfg.moe_intermediate_size, D = m->D;
+    for (int p = 0; p < 3; p++) {
+        char n[NAME_CAP];
+        if (mixtral)
+            tname(n, "model.layers.%d.block_sparse_moe.experts.%d.%s.weight", l, e, mx[p]);
+        else
+            tname(n, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, hf[p]);
+        TRY(load_matrix(m, n, p == 2 ? D : F, p == 2 ? F : D, &ly->experts[(size_t)p * m->E + e]));
+    }
+    return MO_OK;
+}
+
+static int load_moe(model_t *m, model_layer_t *ly, int l, float **vec, wview_t *views,
+                    const lora_pair_t **slots) {
+    const model_config_t *c = &m->cfg;
+    const char *blk = c->arch == ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    char n[NAME_CAP];
+    int E = m->E;
+    ly->experts = views;
+    ly->expert_lora = slots;
+    tname(n, "model.layers.%d.%s.gate.weight", l, blk);
+    TRY(load_matrix(m, n, E, m->D, &ly->moe_w.router));
+    if (c->scoring_func == SCORE_SIGMOID) {
+        tname(n, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
+        TRY(load_vector(m, n, E, *vec));
+        ly->e_bias = *vec;
+        *vec += E;
+    }
+    for (int e = 0; e < E; e++)
+        TRY(load_expert(m, ly, l, e));
+    ly->moe_w.gate = views;
+    ly->moe_w.up = views + E;
+    ly->moe_w.down = views + 2 * (size_t)E;
+    ly->moe_w.lora_gate = (const lora_pair_t *const *)slots;
+    ly->moe_w.lora_up = (const lora_pair_t *const *)(slots + E);
+    ly->moe_w.lora_down = (const lora_pair_t *const *)(slots + 2 * (size_t)E);
+    ly->moe_cfg.D = m->D;
+    ly->moe_cfg.F = c->moe_intermediate_size;
+    ly->moe_cfg.n_shared = c->n_shared_experts;
+    ly->moe_cfg.aux_coef = m->opts.aux_coef;
+    router_of(&ly->moe_cfg.router, c, ly->e_bias);
+    if (c->n_shared_experts > 0) {
+        tname(n, "model.layers.%d.mlp.shared_experts.", l);
+        TRY(load_mlp(m, &ly->moe_w.shared, n,
+                     (int64_t)c->n_shared_experts * c->moe_intermediate_size));
+    }
+    return moe_cfg_check(&ly->moe_cfg) < 0 ? mo_error_wrap(MO_ECONFIG, "%s: layer %d", m->path, l)
+                                           : MO_OK;
+}
+
+static int load_layers(model_t *m) {
+    const model_config_t *c = &m->cfg;
+    size_t per = 3 * (size_t)m->E;
+    m->layers = calloc((size_t)m->L, sizeof *m->layers);
+    m->vecs = malloc(sizeof(float) * vec_floats(c));
+    m->views = calloc(per * (size_t)(m->n_moe ? m->n_moe : 1), sizeof *m->views);
+    m->lora_ptrs = calloc(per * (size_t)(m->n_moe ? m->n_moe : 1), sizeof *m->lora_ptrs);
+    if (!m->layers || !m->vecs || !m->views || !m->lora_ptrs)
+        return mo_errorf(MO_ENOMEM, "model: out of memory for %d layers", m->L);
+    float *vec = m->vecs;
+    int mi = 0;
+    for (int l = 0; l < m->L; l++) {
+        model_layer_t *ly = &m->layers[l];
+        ly->window = model_config_window(c, l);
+        ly->moe = model_config_is_moe_layer(c, l);
+        ly->moe_index = ly->moe ? mi : -1;
+        TRY(load_attention(m, ly, l, &vec));
+        if (ly->moe) {
+            TRY(load_moe(m, ly, l, &vec, m->views + per * mi, m->lora_ptrs + per * mi));
+            mi++;
+        } else {
+            char n[NAME_CAP];
+            tname(n, "model.layers.%d.mlp.", l);
+            TRY(load_mlp(m, &ly->dense, n, c->intermediate_size));
+        }
+    }
+    TRY(load_vector(m, "model.norm.weight", m->D, vec));
+    m->final_norm = vec;
+    vec += m->D;
+    m->inv_freq = vec;
+    return MO_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Adapter modules.                                                          */
+
+typedef struct mod_builder {
+    model_t *m;
+    int n;
+} mod_builder_t;
+
+static int add_module(mod_builder_t *b, const char *name, const char *proj, lora_kind_t kind, int C,
+                      int OC, const lora_pair_t **slot) {
+    lora_module_desc_t *d = &b->m->modules[b->n];
+    char *s = malloc(strlen(name) + 1);
+    if (!s)
+        return mo_errorf(MO_ENOMEM, "model: out of memory for module names");
+    strcpy(s, name);
+    d->name = s;
+    d->proj = proj;
+    d->kind = kind;
+    d->C = C;
+    d->OC = OC;
+    b->m->module_slot[b->n++] = slot;
+    return MO_OK;
+}
+
+/* gate, up, down of an MLP (F wide) under prefix; names[] the checkpoint's spelling. */
+static int add_mlp_modules(mod_builder_t *b, const char *prefix, const char *const names[3],
+                           lora_kind_t kind, int F, const lora_pair_t **gate,
+                           const lora_pair_t **up, const lora_pair_t **down) {
+    static const char *const canon[3] = {"gate_proj", "up_proj", "down_proj"};
+    const lora_pair_t **slots[3] = {gate, up, down};
+    int D = b->m->D;
+    for (int p = 0; p < 3; p++) {
+        char n[NAME_CAP];
+        tname(n, "%s%s", prefix, names[p]);
+        TRY(add_module(b, n, canon[p], kind, p == 2 ? F : D, p == 2 ? D : F, slots[p]));
+    }
+    return MO_OK;
+}
+
+static int add_layer_modules(mod_builder_t *b, int l) {
+    static const char *const hf[3] = {"gate_proj", "up_proj", "down_proj"};
+    static const char *const mx[3] = {"w1", "w3", "w2"};
+    static const char *const attn[4] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    model_t *m = b->m;
+    model_layer_t *ly = &m->layers[l];
+    int qd = m->H * m->Dh, kvd = m->Hkv * m->Dh;
+    const int C[4] = {m->D, m->D, m->D, qd}, OC[4] = {qd, kvd, kvd, m->D};
+    const lora_pair_t **aslot[4] = {&ly->lora_q, &ly->lora_k, &ly->lora_v, &ly->lora_o};
+    char n[NAME_CAP];
+    for (int p = 0; p < 4; p++) {
+        tname(n, "model.layers.%d.self_attn.%s", l, attn[p]);
+        TRY(add_module(b, n, attn[p], LORA_KIND_ATTENTION, C[p], OC[p], aslot[p]));
+    }
+    if (!ly->moe) {
+        tname(n, "model.layers.%d.mlp.", l);
+        return add_mlp_modules(b, n, hf, LORA_KIND_DENSE_MLP, m->cfg.intermediate_size,
+                               &ly->dense.lora_gate, &ly->dense.lora_up, &ly->dense.lora_down);
+    }
+    int mixtral = m->cfg.arch == ARCH_MIXTRAL, E = m->E;
+    for (int e = 0; e < E; e++) {
+        if (mixtral)
+            tname(n, "model.layers.%d.block_sparse_moe.experts.%d.", l, e);
+        else
+            tname(n, "model.layers.%d.mlp.experts.%d.", l, e);
+        TRY(add_mlp_modules(b, n, mixtral ? mx : hf, LORA_KIND_EXPERT, ly->moe_cfg.F,
+                            &ly->expert_lora[e], &ly->expert_lora[E + e],
+                            &ly->expert_lora[2 * (size_t)E + e]));
+    }
+    if (ly->moe_cfg.n_shared > 0) {
+        tname(n, "model.layers.%d.mlp.shared_experts.", l);
+        TRY(add_mlp_modules(b, n, hf, LORA_KIND_SHARED_EXPERT, ly->moe_cfg.n_shared * ly->moe_cfg.F,
+                            &ly->moe_w.shared.lora_gate, &ly->moe_w.shared.lora_up,
+                            &ly->moe_w.shared.lora_down));
+    }
+    return MO_OK;
+}
+
+static int build_modules(model_t *m) {
+    size_t n = 0;
+    for (int l = 0; l < m->L; l++) {
+        const model_layer_t *ly = &m->layers[l];
+        n += 4 + 3 * (size_t)(ly->moe ? m->E + (ly->moe_cfg.n_shared > 0) : 1);
+    }
+    m->modules = calloc(n, sizeof *m->modules);
+    m->module_slot = calloc(n, sizeof *m->module_slot);
+    m->pairs = calloc(n, sizeof *m->pairs);
+    if (!m->modules || !m->module_slot || !m->pairs)
+        return mo_errorf(MO_ENOMEM, "model: out of memory for %zu adapter modules", n);
+    mod_builder_t b = {m, 0};
+    for (int l = 0; l < m->L; l++) {
+        int rc = add_layer_modules(&b, l);
+        m->n_modules = b.n;
+        TRY(rc);
+    }
+    MO_ASSERT((size_t)b.n == n);
+    return MO_OK;
+}
+
+int model_set_adapter(model_t *m, const lora_adapter_t *ad) {
+    for (int i = 0; i < m->n_modules; i++)
+        *m->module_slot[i] = NULL;
+    m->adapter = NULL;
+    m->step = NULL;
+    if (!ad)
+        return MO_OK;
+    unsigned char *used = calloc((size_t)ad->n_entries + 1, 1);
+    if (!used)
+        return mo_errorf(MO_ENOMEM, "model: out of memory binding an adapter");
+    int rc = MO_OK, matched = 0;
+    for (int i = 0; i < m->n_modules && rc == MO_OK; i++) {
+        const lora_module_desc_t *d = &m->modules[i];
+        int e = lora_adapter_find(ad, d->name);
+        if (e < 0)
+            continue;
+        const lora_entry_t *en = &ad->entries[e];
+        if (en->C != d->C || en->OC != d->OC) {
+            rc = mo_errorf(MO_EINVAL,
+                           "adapter module \"%s\" is (out %d, in %d), the model's projection is "
+                           "(out %d, in %d)",
+                           d->name, en->OC, en->C, d->OC, d->C);
+            break;
+        }
+        m->pairs[i] = lora_adapter_pair(ad, e, 1);
+        *m->module_slot[i] = &m->pairs[i];
+        used[e] = 1;
+        matched++;
+    }
+    for (int e = 0; rc == MO_OK && matched < ad->n_entries && e < ad->n_entries; e++)
+        if (!used[e])
+            rc = mo_errorf(MO_EINVAL, "adapter module \"%s\" is not a projection of this model",
+                           ad->entries[e].name);
+    free(used);
+    if (rc < 0) {
+        for (int i = 0; i < m->n_modules; i++)
+            *m->module_slot[i] = NULL;
+        return rc;
+    }
+    m->adapter = ad;
+    return MO_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Open and destroy.                                                         */
+
+static int check_config(const model_config_t *c, const char *where) {
+    TRY(model_config_validate(c, where));
+    if (c->arch == ARCH_DEEPSEEK_V3)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "%s: %s (model_type \"%s\") uses MLA (multi-head latent attention), "
+                         "which is not supported yet; supported: Qwen3MoeForCausalLM, "
+                         "MixtralForCausalLM",
+                         where, model_arch_name(c->arch), c->model_type);
+    if (c->vocab_size > INT32_MAX / 2)
+        return mo_errorf(MO_EUNSUPPORTED, "%s: vocab_size %lld is too large", where,
+                         (long long)c->vocab_size);
+    if (c->num_experts > 65536)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "%s: %d experts exceed the 65536 that routing records (uint16) hold",
+                         where, c->num_experts);
+    return MO_OK;
+}
+
+static int open_weights(model_t *m) {
+    const model_config_t *c = &m->cfg;
+    m->L = c->num_hidden_layers;
+    m->D = c->hidden_size;
+    m->H = c->num_attention_heads;
+    m->Hkv = c->num_key_value_heads;
+    m->Dh = c->head_dim;
+    m->E = c->num_experts;
+    m->K = c->num_experts_per_tok;
+    m->V = (int)c->vocab_size;
+    m->eps = (float)c->rms_norm_eps;
+    m->attn_scale = 1.0f / sqrtf((float)m->Dh);
+    for (int l = 0; l < m->L; l++)
+        m->n_moe += model_config_is_moe_layer(c, l);
+    TRY(load_matrix(m, "model.embed_tokens.weight", m->V, m->D, &m->embed));
+    if (c->tie_word_embeddings)
+        m->lm_head = m->embed;
+    else
+        TRY(load_matrix(m, "lm_head.weight", m->V, m->D, &m->lm_head));
+    TRY(load_layers(m));
+    int rc = rope_init(m->inv_freq, &m->rope_mscale, m->Dh, (float)c->rope_theta, &c->rope_scaling);
+    if (rc < 0)
+        return mo_error_wrap(rc, "%s: rope", m->path);
+    TRY(build_modules(m));
+    m->stats = calloc((size_t)(m->n_moe ? m->n_moe : 1), sizeof *m->stats);
+    int64_t *load = calloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)m->E, sizeof *load);
+    if (!m->stats || !load) {
+        free(load);
+        return mo_errorf(MO_ENOMEM, "model: out of memory for load statistics");
+    }
+    for (int l = 0, mi = 0; l < m->L; l++)
+        if (m->layers[l].moe) {
+            m->stats[mi].layer = l;
+            m->stats[mi].load = load + (size_t)mi * m->E;
+            mi++;
+        }
+    if (m->n_moe == 0)
+        m->stats[0].load = load;
+    return MO_OK;
+}
+
+int model_open_config(model_t **out, const model_config_t *cfg, const char *weights,
+                      const model_opts_t *opts) {
+    *out = NULL;
+    TRY(check_config(cfg, weights));
+    if (opts && (opts->logits_chunk_rows < 0 || !(opts->aux_coef >= 0.0f)))
+        return mo_errorf(MO_EINVAL,
+                         "model options: logits_chunk_rows %d and aux_coef %g must "
+                         "be >= 0",
+                         opts->logits_chunk_rows, (double)opts->aux_coef);
+    model_t *m = calloc(1, sizeof *m);
+    if (!m)
+        return mo_errorf(MO_ENOMEM, "model: out of memory");
+    m->cfg = *cfg;
+    if (opts)
+        m->opts = *opts;
+    m->k = backend_cpu()->k;
+    arena_init(&m->arena, (size_t)1 << 20);
+    arena_init(&m->scratch, (size_t)1 << 20);
+    m->path = malloc(strlen(weights) + 1);
+    int rc = m->path ? MO_OK : mo_errorf(MO_ENOMEM, "model: out of memory");
+    if (rc == MO_OK) {
+        strcpy(m->path, weights);
+        rc = st_checkpoint_open(&m->ck, weights);
+    }
+    if (rc == MO_OK)
+        rc = open_weights(m);
+    if (rc < 0) {
+        model_destroy(&m);
+        return rc;
+    }
+    *out = m;
+    return MO_OK;
+}
+
+int model_open(model_t **out, const char *dir, const model_opts_t *opts) {
+    *out = NULL;
+    model_config_t c;
+    TRY(model_config_load(&c, dir));
+    return model_open_config(out, &c, dir, opts);
+}
+
+void model_destroy(model_t **pm) {
+    model_t *m = pm ? *pm : NULL;
+    if (!m)
+        return;
+    for (int i = 0; i < m->n_modules; i++)
+        free((char *)m->modules[i].name);
+    free(m->modules);
+    free(m->module_slot);
+    free(m->pairs);
+    if (m->stats)
+        free(m->stats[0].load);
+    free(m->stats);
+    for (int i = 0; i < m->n_scales; i++)
+        free(m->scales[i]);
+    free(m->scales);
+    free(m->layers);
+    free(m->vecs);
+    free(m->views);
+    free(m->lora_ptrs);
+    st_checkpoint_close(&m->ck);
+    arena_free(&m->arena);
+    arena_free(&m->scratch);
+    free(m->path);
+    free(m);
+    *pm = NULL;
+}
