@@ -7,7 +7,7 @@ packages=(
   build-essential cmake pkg-config git
   libzmq3-dev libuv1-dev libmsgpack-dev libcunit1-dev libopenblas-dev libfyaml-dev
   libopenmpi-dev openmpi-bin libcjson-dev libpcre2-dev libmicrohttpd-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev libomp-14-dev
   python3 python3-torch python3-numpy python3-zmq python3-msgpack
 )
 

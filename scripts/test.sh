@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the dependencies, then builds moerl twice -- optimised (with the
 # CUDA sources when nvcc is present) and Debug with ASan+UBSan -- and runs the
-# whole ctest suite on both. Exits non-zero on any failure.
+# whole ctest suite on both, then runs every wire-protocol fuzz target for a
+# bounded time. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,4 +20,7 @@ cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DMOERL_ASAN=ON -DMOERL_CUDA=O
 cmake --build build/asan -j"$jobs"
 ctest --test-dir build/asan --output-on-failure -j"$jobs"
 
-echo "=== all tests passed in both builds ==="
+echo "=== fuzzing the wire-protocol decoders (clang, libFuzzer) ==="
+bash scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
+
+echo "=== all tests passed in both builds; fuzz targets clean ==="

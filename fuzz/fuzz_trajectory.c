@@ -1,0 +1,12 @@
+/* fuzz_trajectory: libFuzzer target for the decoders of the trajectory messages; the
+ * first byte picks the expected type (fuzz_common.h). */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fuzz/fuzz_common.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    return fuzz_family(data, size, fuzz_trajectory_types, FUZZ_COUNT(fuzz_trajectory_types));
+}
