@@ -27,6 +27,7 @@ typedef struct layer_acts {
     float *rstd2;                     /* (T) */
     moe_state_t moe;
     mlp_acts_t mlp;
+    mla_acts_t mla; /* MLA attention (model_t.mla); the GQA buffers above are then NULL */
 } layer_acts_t;
 
 struct model_step {
@@ -96,6 +97,9 @@ static int attention_forward(const model_t *m, arena_t *ar, layer_acts_t *a, flo
     ALLOC(a->ln1, ar, (size_t)T * D);
     ALLOC(a->rstd1, ar, T);
     k->rmsnorm_forward(a->ln1, a->rstd1, a->x, ly->attn_norm, T, D, m->eps);
+    if (m->mla) /* DeepSeek-V3 / Kimi K2 */
+        return mla_forward(k, ar, &a->mla, o, a->ln1, &m->mla_cfg, &ly->mla, st->positions, st->cu,
+                           st->B, T);
     ALLOC(a->qr, ar, (size_t)T * qd);
     ALLOC(a->kr, ar, (size_t)T * kvd);
     ALLOC(a->v, ar, (size_t)T * kvd);
@@ -393,10 +397,27 @@ static int norm_rope_backward(const model_t *m, arena_t *ar, float *draw, const 
     return MO_OK;
 }
 
+/* attention_backward for MLA layers. */
+static int mla_attention_backward(const model_t *m, arena_t *ar, float *dx, const float *dh,
+                                  const layer_acts_t *a, const model_layer_t *ly,
+                                  const model_step_t *st, int need_dx) {
+    int T = st->T, D = m->D;
+    float *dln1 = NULL;
+    if (need_dx)
+        ZEROS(dln1, ar, (size_t)T * D);
+    TRY(mla_backward(m->k, ar, dln1, dh, &a->mla, &m->mla_cfg, &ly->mla, st->positions, st->cu,
+                     st->B, T));
+    if (need_dx)
+        m->k->rmsnorm_backward(dx, NULL, dln1, a->x, ly->attn_norm, a->rstd1, T, D);
+    return MO_OK;
+}
+
 /* dx (T, D) += from dh (T, D), the gradient at the attention block's output. */
 static int attention_backward(const model_t *m, arena_t *ar, float *dx, const float *dh,
                               const layer_acts_t *a, const model_layer_t *ly,
                               const model_step_t *st, int need_dx) {
+    if (m->mla)
+        return mla_attention_backward(m, ar, dx, dh, a, ly, st, need_dx);
     const kernels_t *k = m->k;
     int T = st->T, D = m->D, qd = m->H * m->Dh, kvd = m->Hkv * m->Dh;
     float *tmp, *datt, *dqr, *dkr, *dv, *dq, *dk, *dln1 = NULL;

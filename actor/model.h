@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "actor/mla.h"
 #include "actor/model_config.h"
 #include "core/arena.h"
 #include "core/kernels.h"
@@ -29,6 +30,8 @@ extern "C" {
  *   (Qwen3) per-head rmsnorm of q and k ; RoPE (rotate-half) on q and k
  *   o = causal GQA attention (sliding window on some layers) ; h = x + o Wo^T (+ LoRA)
  *   x' = h + ffn(rmsnorm(h)), ffn = the MoE layer or a dense SwiGLU MLP.
+ * DeepSeek-V3 / Kimi K2 layers replace q, k, v, o by multi-head latent attention on
+ * rmsnorm(x) (actor/mla.h; model_t.mla = 1, weights in model_layer_t.mla).
  * Then the final rmsnorm, lm_head (in chunks of rows: the (T, V) logits are never kept)
  * and the log-probability of each target and the entropy at temperature tau.
  *
@@ -59,6 +62,10 @@ typedef struct model_layer {
     const float *k_norm;    /* (Dh) per-head k RMSNorm (Qwen3), or NULL */
     const lora_pair_t *lora_q, *lora_k, *lora_v, *lora_o; /* bound adapters, or NULL */
     const float *mlp_norm;                                /* (D) post_attention_layernorm */
+
+    /* MLA attention (model_t.mla = 1); wq, wk, wv, wo, q_norm, k_norm and lora_q..lora_o
+     * are then unset (NULL data) and every attention weight and adapter is here. */
+    mla_weights_t mla;
 
     /* MoE layer: moe_w.gate/up/down point into experts, moe_w.lora_* into expert_lora;
      * moe_w.shared holds the shared experts when moe_cfg.n_shared > 0. */
@@ -95,12 +102,16 @@ typedef struct model {
     wview_t lm_head;         /* (V, D) lm_head, or embed when tied */
     const float *final_norm; /* (D) model.norm */
     model_layer_t *layers;   /* (L) */
-    float *inv_freq;         /* (Dh / 2) RoPE frequencies */
+    float *inv_freq;         /* (Dh / 2) RoPE frequencies; MLA: (qk_rope_head_dim / 2) */
     float rope_mscale;       /* cos/sin multiplier from the RoPE scaling */
-    float attn_scale;        /* 1 / sqrt(Dh) */
+    float attn_scale;        /* 1 / sqrt(Dh); MLA: mla_cfg.scale */
+    int mla;                 /* 1: multi-head latent attention (DeepSeek-V3 / Kimi K2); Dh is
+                              * then qk_nope + qk_rope and Hkv = H */
+    mla_cfg_t mla_cfg;       /* MLA dimensions when mla */
     float eps;               /* rms_norm_eps */
 
-    /* Projections offered to adapters, in layer order: q, k, v, o; then each routed
+    /* Projections offered to adapters, in layer order: q, k, v, o (MLA: q_a_proj, q_b_proj
+     * or q_proj, then kv_a_proj_with_mqa, kv_b_proj, o_proj); then each routed
      * expert's gate, up, down (expert by expert); the shared experts' gate, up, down;
      * or the dense MLP's gate, up, down. */
     int n_modules;
@@ -126,8 +137,7 @@ typedef struct model {
  * weights (model.safetensors or a sharded model.safetensors.index.json). opts may be
  * NULL. Errors name the file and the tensor with the expected shape: a missing tensor
  * is MO_ENOTFOUND, a wrong shape or dtype MO_EMALFORMED. DeepSeek-V3 / Kimi K2
- * checkpoints are refused with MO_EUNSUPPORTED: their MLA attention is not supported
- * yet. */
+ * checkpoints load with their MLA attention (model_t.mla = 1). */
 int model_open(model_t **out, const char *dir, const model_opts_t *opts);
 /* The same from a config built in code and a checkpoint path (as st_checkpoint_open
  * takes it). */

@@ -89,6 +89,8 @@ static size_t vec_floats(const model_config_t *c) {
     size_t D = (size_t)c->hidden_size, per = 2 * D;
     if (c->arch == ARCH_QWEN3_MOE)
         per += 2 * (size_t)c->head_dim;
+    if (c->arch == ARCH_DEEPSEEK_V3) /* q_a_layernorm, kv_a_layernorm */
+        per += (size_t)c->q_lora_rank + (size_t)c->kv_lora_rank;
     if (c->scoring_func == SCORE_SIGMOID)
         per += (size_t)c->num_experts;
     return per * (size_t)c->num_hidden_layers + D + (size_t)c->head_dim / 2;
@@ -115,13 +117,50 @@ static void router_of(router_cfg_t *r, const model_config_t *c, const float *bia
     }
 }
 
-static int load_attention(model_t *m, model_layer_t *ly, int l, float **vec) {
+/* ------------------------------------------------------------------------ */
+/* MLA attention (DeepSeek-V3 / Kimi K2).                                    */
+
+/* Layer l's self_attn.<what>.weight (n) copied to *vec, which *dst then points at. */
+static int load_mla_norm(model_t *m, const float **dst, int l, const char *what, int64_t n,
+                         float **vec) {
+    char name[NAME_CAP];
+    tname(name, "model.layers.%d.self_attn.%s.weight", l, what);
+    TRY(load_vector(m, name, n, *vec));
+    *dst = *vec;
+    *vec += n;
+    return MO_OK;
+}
+
+static int load_mla(model_t *m, mla_weights_t *w, int l, float **vec) {
+    const mla_cfg_t *c = &m->mla_cfg;
+    int64_t D = m->D, H = c->H, qo = H * c->qd;
+    char n[NAME_CAP];
+    if (c->q_rank > 0) {
+        tname(n, "model.layers.%d.self_attn.q_a_proj.weight", l);
+        TRY(load_matrix(m, n, c->q_rank, D, &w->q_a));
+        TRY(load_mla_norm(m, &w->q_a_norm, l, "q_a_layernorm", c->q_rank, vec));
+        tname(n, "model.layers.%d.self_attn.q_b_proj.weight", l);
+        TRY(load_matrix(m, n, qo, c->q_rank, &w->q_b));
+    } else {
+        tname(n, "model.layers.%d.self_attn.q_proj.weight", l);
+        TRY(load_matrix(m, n, qo, D, &w->q));
+    }
+    tname(n, "model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", l);
+    TRY(load_matrix(m, n, (int64_t)c->kv_rank + c->rope, D, &w->kv_a));
+    TRY(load_mla_norm(m, &w->kv_a_norm, l, "kv_a_layernorm", c->kv_rank, vec));
+    tname(n, "model.layers.%d.self_attn.kv_b_proj.weight", l);
+    TRY(load_matrix(m, n, H * (c->nope + c->vd), c->kv_rank, &w->kv_b));
+    tname(n, "model.layers.%d.self_attn.o_proj.weight", l);
+    return load_matrix(m, n, D, H * c->vd, &w->o);
+}
+
+/* ------------------------------------------------------------------------ */
+/* GQA attention and feed-forward.                                           */
+
+/* q, k, v, o projections (and Qwen3's q/k norms) of a GQA layer. */
+static int load_gqa(model_t *m, model_layer_t *ly, int l, float **vec) {
     char n[NAME_CAP];
     int64_t D = m->D, qd = (int64_t)m->H * m->Dh, kvd = (int64_t)m->Hkv * m->Dh;
-    tname(n, "model.layers.%d.input_layernorm.weight", l);
-    TRY(load_vector(m, n, D, *vec));
-    ly->attn_norm = *vec;
-    *vec += D;
     tname(n, "model.layers.%d.self_attn.q_proj.weight", l);
     TRY(load_matrix(m, n, qd, D, &ly->wq));
     tname(n, "model.layers.%d.self_attn.k_proj.weight", l);
@@ -140,6 +179,17 @@ static int load_attention(model_t *m, model_layer_t *ly, int l, float **vec) {
         ly->k_norm = *vec;
         *vec += m->Dh;
     }
+    return MO_OK;
+}
+
+static int load_attention(model_t *m, model_layer_t *ly, int l, float **vec) {
+    char n[NAME_CAP];
+    int64_t D = m->D;
+    tname(n, "model.layers.%d.input_layernorm.weight", l);
+    TRY(load_vector(m, n, D, *vec));
+    ly->attn_norm = *vec;
+    *vec += D;
+    TRY(m->mla ? load_mla(m, &ly->mla, l, vec) : load_gqa(m, ly, l, vec));
     tname(n, "model.layers.%d.post_attention_layernorm.weight", l);
     TRY(load_vector(m, n, D, *vec));
     ly->mlp_norm = *vec;
@@ -271,6 +321,32 @@ static int add_module(mod_builder_t *b, const char *name, const char *proj, lora
     return MO_OK;
 }
 
+/* Adapter modules of an MLA layer, in mla_weights_t's order. */
+static int add_mla_modules(mod_builder_t *b, int l) {
+    const mla_cfg_t *c = &b->m->mla_cfg;
+    mla_weights_t *w = &b->m->layers[l].mla;
+    int D = c->D, qo = c->H * c->qd;
+    const char *proj[6] = {"q_a_proj",           "q_b_proj",  "q_proj",
+                           "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
+    const int C[6] = {D, c->q_rank, D, D, c->kv_rank, c->H * c->vd};
+    const int OC[6] = {c->q_rank, qo, qo, c->kv_rank + c->rope, c->H * (c->nope + c->vd), D};
+    const lora_pair_t **slot[6] = {&w->lora_q_a,  &w->lora_q_b,  &w->lora_q,
+                                   &w->lora_kv_a, &w->lora_kv_b, &w->lora_o};
+    for (int p = 0; p < 6; p++) {
+        if ((p < 2 && c->q_rank == 0) || (p == 2 && c->q_rank > 0))
+            continue;
+        char n[NAME_CAP];
+        tname(n, "model.layers.%d.self_attn.%s", l, proj[p]);
+        TRY(add_module(b, n, proj[p], LORA_KIND_ATTENTION, C[p], OC[p], slot[p]));
+    }
+    return MO_OK;
+}
+
+/* Attention modules per layer. */
+static int attention_modules(const model_t *m) {
+    return m->mla ? (m->mla_cfg.q_rank > 0 ? 5 : 4) : 4;
+}
+
 /* gate, up, down of an MLP (F wide) under prefix; names[] the checkpoint's spelling. */
 static int add_mlp_modules(mod_builder_t *b, const char *prefix, const char *const names[3],
                            lora_kind_t kind, int F, const lora_pair_t **gate,
@@ -296,7 +372,9 @@ static int add_layer_modules(mod_builder_t *b, int l) {
     const int C[4] = {m->D, m->D, m->D, qd}, OC[4] = {qd, kvd, kvd, m->D};
     const lora_pair_t **aslot[4] = {&ly->lora_q, &ly->lora_k, &ly->lora_v, &ly->lora_o};
     char n[NAME_CAP];
-    for (int p = 0; p < 4; p++) {
+    if (m->mla)
+        TRY(add_mla_modules(b, l));
+    for (int p = 0; p < 4 && !m->mla; p++) {
         tname(n, "model.layers.%d.self_attn.%s", l, attn[p]);
         TRY(add_module(b, n, attn[p], LORA_KIND_ATTENTION, C[p], OC[p], aslot[p]));
     }
@@ -328,7 +406,8 @@ static int build_modules(model_t *m) {
     size_t n = 0;
     for (int l = 0; l < m->L; l++) {
         const model_layer_t *ly = &m->layers[l];
-        n += 4 + 3 * (size_t)(ly->moe ? m->E + (ly->moe_cfg.n_shared > 0) : 1);
+        n += (size_t)attention_modules(m) +
+             3 * (size_t)(ly->moe ? m->E + (ly->moe_cfg.n_shared > 0) : 1);
     }
     m->modules = calloc(n, sizeof *m->modules);
     m->module_slot = calloc(n, sizeof *m->module_slot);
@@ -393,12 +472,6 @@ int model_set_adapter(model_t *m, const lora_adapter_t *ad) {
 
 static int check_config(const model_config_t *c, const char *where) {
     TRY(model_config_validate(c, where));
-    if (c->arch == ARCH_DEEPSEEK_V3)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "%s: %s (model_type \"%s\") uses MLA (multi-head latent attention), "
-                         "which is not supported yet; supported: Qwen3MoeForCausalLM, "
-                         "MixtralForCausalLM",
-                         where, model_arch_name(c->arch), c->model_type);
     if (c->vocab_size > INT32_MAX / 2)
         return mo_errorf(MO_EUNSUPPORTED, "%s: vocab_size %lld is too large", where,
                          (long long)c->vocab_size);
@@ -421,6 +494,13 @@ static int open_weights(model_t *m) {
     m->V = (int)c->vocab_size;
     m->eps = (float)c->rms_norm_eps;
     m->attn_scale = 1.0f / sqrtf((float)m->Dh);
+    m->mla = c->arch == ARCH_DEEPSEEK_V3;
+    if (m->mla) {
+        int rc = mla_cfg_init(&m->mla_cfg, c);
+        if (rc < 0)
+            return mo_error_wrap(rc, "%s", m->path);
+        m->attn_scale = m->mla_cfg.scale;
+    }
     for (int l = 0; l < m->L; l++)
         m->n_moe += model_config_is_moe_layer(c, l);
     TRY(load_matrix(m, "model.embed_tokens.weight", m->V, m->D, &m->embed));
@@ -429,9 +509,12 @@ static int open_weights(model_t *m) {
     else
         TRY(load_matrix(m, "lm_head.weight", m->V, m->D, &m->lm_head));
     TRY(load_layers(m));
-    int rc = rope_init(m->inv_freq, &m->rope_mscale, m->Dh, (float)c->rope_theta, &c->rope_scaling);
+    int rot = m->mla ? m->mla_cfg.rope : m->Dh;
+    int rc = rope_init(m->inv_freq, &m->rope_mscale, rot, (float)c->rope_theta, &c->rope_scaling);
     if (rc < 0)
         return mo_error_wrap(rc, "%s: rope", m->path);
+    m->mla_cfg.inv_freq = m->inv_freq;
+    m->mla_cfg.rope_mscale = m->rope_mscale;
     TRY(build_modules(m));
     m->stats = calloc((size_t)(m->n_moe ? m->n_moe : 1), sizeof *m->stats);
     int64_t *load = calloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)m->E, sizeof *load);

@@ -1,5 +1,5 @@
 /* test_init_model: `moerl init-model` presets and writer read back by the model loader
- * (both supported families, bf16 and f32, sharded checkpoints), the DeepSeek-V3 refusal,
+ * (every supported family, bf16 and f32, sharded checkpoints), the DeepSeek-V3 MLA layout,
  * broken checkpoints, and the `moerl init-model` / `moerl score` commands as processes. */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -145,7 +145,7 @@ static void test_deterministic_writer(void) {
     tu_rmtree(d4);
 }
 
-static void test_deepseek_refused(void) {
+static void test_deepseek_mla(void) {
     char dir[512], path[600];
     model_config_t c;
     write_tiny(dir, sizeof dir, ARCH_DEEPSEEK_V3, DT_BF16, 1, &c);
@@ -165,12 +165,28 @@ static void test_deepseek_refused(void) {
     CU_ASSERT(t.shape[0] == 64 && t.shape[1] == 32);
     CU_ASSERT_EQUAL(st_get(f, "model.layers.0.mlp.gate_proj.weight", &t), 0); /* dense layer 0 */
     CU_ASSERT(t.shape[0] == 128);
-    st_close(&f);
+    /* The loader's views are the file's bytes. */
+    CU_ASSERT_EQUAL_FATAL(st_get(f, "model.layers.1.self_attn.kv_b_proj.weight", &t), 0);
     model_t *m = NULL;
-    CU_ASSERT_EQUAL(model_open(&m, dir, NULL), MO_EUNSUPPORTED);
-    CU_ASSERT_PTR_NULL(m);
-    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "MLA"));
-    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "not supported yet"));
+    int rc = model_open(&m, dir, NULL);
+    if (rc < 0)
+        tu_report("deepseek_v3: %s", mo_last_error());
+    CU_ASSERT_EQUAL_FATAL(rc, 0);
+    CU_ASSERT_EQUAL(m->mla, 1);
+    CU_ASSERT(memcmp(t.data, m->layers[1].mla.kv_b.data, 2 * 64) == 0);
+    st_close(&f);
+    CU_ASSERT_EQUAL(m->n_moe, 1);
+    CU_ASSERT_PTR_NULL(m->layers[1].wq.data); /* no GQA weights */
+    CU_ASSERT_STRING_EQUAL(m->modules[0].name, "model.layers.0.self_attn.q_a_proj");
+    CU_ASSERT_STRING_EQUAL(m->modules[3].proj, "kv_b_proj");
+    CU_ASSERT_EQUAL(m->modules[3].kind, LORA_KIND_ATTENTION);
+    float logp[12], ent[12];
+    CU_ASSERT_EQUAL_FATAL(score_seq(m, logp, ent), 0);
+    for (int i = 0; i < 11; i++) {
+        CU_ASSERT(logp[i] < -4.5f && logp[i] > -7.0f); /* near -log(261) = -5.56 */
+        CU_ASSERT(ent[i] > 5.0f && ent[i] <= logf(261.0f) + 1e-4f);
+    }
+    model_destroy(&m);
     tu_rmtree(dir);
 }
 
@@ -377,7 +393,7 @@ static void test_cli_init_and_score(void) {
     char dir[512], args[2048], adir[700];
     CU_ASSERT_EQUAL_FATAL(tu_tmpdir(dir, sizeof dir), 0);
     expect_run("init-model --help", 0, "usage: moerl init-model --arch ARCH");
-    expect_run("init-model --help", 0, "MLA attention is not supported yet");
+    expect_run("init-model --help", 0, "deepseek_v3 (DeepseekV3ForCausalLM: MLA attention");
     expect_run("score --help", 0, "usage: moerl score --model DIR");
     expect_run("init-model --arch llama --size tiny --out /nonexistent", 2,
                "unknown architecture 'llama'");
@@ -437,7 +453,7 @@ int main(void) {
     CU_TestInfo tests[] = {
         {"round_trip", test_round_trip},
         {"deterministic_writer", test_deterministic_writer},
-        {"deepseek_refused", test_deepseek_refused},
+        {"deepseek_mla", test_deepseek_mla},
         {"bad_checkpoints", test_bad_checkpoints},
         {"sharded", test_sharded},
         {"cli_init_and_score", test_cli_init_and_score},
