@@ -36,9 +36,10 @@ static const char *const schedule_names[] = {"constant", "cosine", NULL};
 static const char *const overlong_names[] = {"keep", "filter", "penalty", NULL};
 static const char *const task_names[] = {"arith", "sort", "jsonl", NULL};
 
-const char *const cfg_lora_targets[] = {"q_proj",         "k_proj",    "v_proj",    "o_proj",
-                                        "gate_proj",      "up_proj",   "down_proj", "experts",
-                                        "shared_experts", "dense_mlp", NULL};
+const char *const cfg_lora_targets[] = {
+    "q_proj",   "k_proj",         "v_proj",    "o_proj",    "q_a_proj",  "q_b_proj",
+    "kv_a_proj_with_mqa",         "kv_b_proj", "gate_proj", "up_proj",   "down_proj",
+    "experts",  "shared_experts", "dense_mlp", NULL};
 
 const cfg_section_t cfg_sections[] = {
     {"run", "The run as a whole: name, directory, seed, threads and device."},
@@ -87,7 +88,9 @@ const cfg_key_t cfg_keys[] = {
     K_FLOAT(lora, alpha, 0, 1e6, OPEN_LO, "32",
             "Adapter scale numerator: the update is scaled by alpha / rank."),
     K_LIST(lora, targets, cfg_lora_targets, "q_proj,k_proj,v_proj,o_proj",
-           "Modules that get adapters: attention projections, MLP projections by name "
+           "Modules that get adapters: attention projections (q_proj k_proj v_proj o_proj; "
+           "for MLA models q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj), MLP "
+           "projections by name "
            "(gate_proj, up_proj, down_proj in every MLP), or whole MLP kinds (experts: every "
            "routed expert; shared_experts; dense_mlp: the dense layers)."),
     K_BOOL(lora, rslora, "false", "rsLoRA: scale by alpha / sqrt(rank) instead of alpha / rank."),
@@ -124,9 +127,12 @@ const cfg_key_t cfg_keys[] = {
     /* reward */
     K_INT(reward, workers, 1, 1024, "1", "Reward worker processes."),
     K_STR(reward, function, CFG_STRING, CFG_NONEMPTY, "arith_exact",
-          "Reward function: a built-in verifier name, or a symbol of reward.plugin."),
+          "Reward spec (docs/rewards.md): built-ins and weighted sums such as "
+          "\"0.8*numeric+0.2*format:pattern=...\"; with reward.plugin set, the plugin's "
+          "argument string."),
     K_STR(reward, plugin, CFG_PATH, 0, "",
-          "Shared library with reward functions; empty uses the built-in ones."),
+          "Reward plugin (a shared library with the moerl_reward.h ABI); empty uses the "
+          "built-in functions."),
     K_INT(reward, timeout_ms, 1, 3600000, "10000",
           "Time limit for scoring one group; a group past it scores as failed."),
 
