@@ -229,7 +229,8 @@ const cfg_key_t cfg_keys[] = {
 
     /* metrics */
     K_INT(metrics, http_port, 0, 65535, "0", "Port of the Prometheus text endpoint; 0 is off."),
-    K_BOOL(metrics, jsonl, "true", "Write metrics as JSON lines to <run dir>/metrics.jsonl."),
+    K_BOOL(metrics, jsonl, "true",
+           "Write metrics as JSON lines to <run dir>/metrics/<daemon>.jsonl."),
     K_BOOL(metrics, status_line, "true", "Print a one-line status on the terminal."),
 };
 const int cfg_nkeys = (int)(sizeof cfg_keys / sizeof cfg_keys[0]);
