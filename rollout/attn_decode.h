@@ -1,0 +1,30 @@
+/* attn_decode: grouped-query attention of new tokens over their sequences' cached keys
+ * and values (paged KV cache), with sliding windows, on the CPU. */
+#ifndef MOERL_ROLLOUT_ATTN_DECODE_H
+#define MOERL_ROLLOUT_ATTN_DECODE_H
+
+#include <stdint.h>
+
+#include "rollout/kv_cache.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Shapes: N query rows, H query heads, Hkv kv heads (the cache's), Dh head dim.
+ *
+ * Row i is a token at position pos[i] of sequence seqs[i], whose keys and values for
+ * positions 0 .. pos[i] are already in layer l of the cache. Query head h reads kv head
+ * h / (H / Hkv). out[i, h] = sum_j softmax_j(scale * q[i, h] . k_j) v_j over the
+ * positions j with lo <= j <= pos[i], lo = max(0, pos[i] - window + 1) (window 0: lo =
+ * 0), the same keys causal attention over the whole sequence gives that token. Rows of
+ * one sequence may appear several times (a chunk of new tokens). Work is split over
+ * (row, kv head) pairs, each written by one thread: the same bits on any thread count. */
+void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
+                         const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
+                         int window);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,96 @@
+/* decode: the rollout engine's incremental forward: new tokens of many sequences, at
+ * their positions, through every layer of the model with a paged KV cache, recording
+ * the experts each token is routed to; plus merging an adapter into copies of the
+ * weights it adapts. */
+#ifndef MOERL_ROLLOUT_DECODE_H
+#define MOERL_ROLLOUT_DECODE_H
+
+#include <stdint.h>
+
+#include "actor/model.h"
+#include "core/arena.h"
+#include "rollout/kv_cache.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Shapes as in actor/model.h: N rows (new tokens), D width, H and Hkv heads, Dh head
+ * dim, M MoE layers, K experts per token, V vocabulary, R LoRA rank.
+ *
+ * Each layer runs on the rows x (N, D) of the residual stream:
+ *   a = rmsnorm(x); q, k, v = a Wq^T, a Wk^T, a Wv^T (+ LoRA); per-head q/k norm
+ *   (Qwen3); RoPE at the rows' positions; k, v appended to each row's sequence in the
+ *   cache; attention of q over the sequence's cached keys (sliding window honoured);
+ *   h = x + o Wo^T (+ LoRA); x' = h + ffn(rmsnorm(h)), ffn the MoE layer with natural
+ *   routing (experts recorded) or the dense MLP.
+ * DeepSeek-V3 / Kimi K2 layers run multi-head latent attention (actor/mla.h) instead:
+ * its per-head keys and values, zero-padded to Dp = max(Dq, Dv), are what the cache
+ * holds (a cache of H heads of Dp: the expanded form, not the compressed latent), and
+ * the new rows' queries attend to them as GQA with H kv heads.
+ * The same operations in the same order as model_forward, so a row's result equals the
+ * learner's forward of the whole sequence up to float rounding (matrix products batch
+ * rows differently). All rows of all sequences go through each matrix product at once. */
+
+/* One layer's weights as the engine runs them: the model's frozen views with its bound
+ * adapters, or (merged mode) writable copies with the adapter folded in and no adapter
+ * pointers. */
+typedef struct rl_layer {
+    const model_layer_t *ly; /* norms, window, kind */
+    wview_t wq, wk, wv, wo;
+    const lora_pair_t *lq, *lk, *lv, *lo;
+    mla_weights_t mla; /* MLA layers: views and adapters (model_t.mla) */
+    moe_cfg_t moe_cfg; /* the layer's, without the balance loss */
+    moe_weights_t moe_w;
+    mlp_weights_t dense;
+    wview_t *experts; /* (3, E) merged mode: gate, up, down views; NULL otherwise */
+} rl_layer_t;
+
+/* The layers of a model: views into the model's weights and bound adapter (call again
+ * after model_set_adapter). */
+typedef struct rl_weights {
+    int L;
+    rl_layer_t *layers; /* (L) */
+    /* Merged mode: one writable copy per adapted projection, in the model's module
+     * order (NULL where a module is not adapted). */
+    int merged;
+    int n_modules;
+    void **copies;     /* (n_modules) */
+    wview_t **targets; /* (n_modules) the rl_layer_t view each copy stands in for */
+} rl_weights_t;
+
+int rl_weights_init(rl_weights_t *w, const model_t *m);
+/* Unmerged: re-reads the model's views and bound adapters. */
+void rl_weights_bind(rl_weights_t *w, const model_t *m);
+/* Merged: the weights become base + scale B A for every module ad adapts (copies of the
+ * base in its dtype, rounded once; see lora_merge), with no adapter applied at run time
+ * (the model's own binding is ignored); ad NULL restores the base. MO_EUNSUPPORTED for
+ * weights lora_merge cannot write (fp8), MO_EINVAL when ad does not fit the model. */
+int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad);
+void rl_weights_free(rl_weights_t *w);
+
+/* The KV cache geometry a model needs: kv heads and head dim (MLA: H and Dp). */
+void decode_kv_dims(const model_t *m, int *kv_heads, int *head_dim);
+
+/* The new rows of one forward. */
+typedef struct decode_batch {
+    int N;                 /* rows */
+    const int32_t *tokens; /* (N) ids in [0, V) */
+    const int32_t *pos;    /* (N) each row's position in its sequence */
+    kv_seq_t *const *seqs; /* (N) row i's sequence; len > pos[i] (grown by the caller) */
+    int prefill;           /* 1: the rows are B whole sequences from position 0 */
+    int B;                 /* sequences when prefill */
+    const int32_t *cu;     /* (B + 1) when prefill: sequence b is rows cu[b] .. cu[b+1]-1 */
+    uint16_t *routing;     /* (N, M, K) receives each row's experts, or NULL */
+} decode_batch_t;
+
+/* x (N, D) = the residual stream after the last layer for the batch's rows; every
+ * row's k and v are written into the cache. Temporaries come from ar (reset inside
+ * after each layer: pass an arena that holds nothing the caller keeps). */
+int decode_forward(const model_t *m, const rl_weights_t *w, kv_cache_t *c, arena_t *ar,
+                   const decode_batch_t *b, float *x);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
