@@ -1,0 +1,493 @@
+/* bench_gpu_kernels: timings of the CUDA kernel table on one GPU. First the
+ * two ceilings measured on the device itself (a large device-to-device copy
+ * and a large cuBLAS bf16 matrix product, plus f32 SGEMM for f32 products),
+ * then each kernel at a training-sized shape: median of timed runs after
+ * warm-up, timed with CUDA events on the default stream, on random data. The
+ * table printed last gives each kernel's rate against its ceiling.
+ * Exits 77 (skipped) without CUDA support or without a device. */
+#include <stdio.h>
+
+#ifdef MOERL_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/backend.h"
+#include "core/cuda/backend_cuda.h"
+#include "core/dtype.h"
+#include "core/rng.h"
+#include "core/status.h"
+
+#define WARM 3
+#define REPS 10
+#define MAX_ROWS 32
+
+static const backend_t *g_be;
+
+typedef struct row {
+    char name[48], shape[64];
+    double ms;
+    double work;    /* flops or bytes per run */
+    int is_flops;   /* 1: work is flops, 0: bytes */
+    double ceiling; /* the matching ceiling: flop/s or byte/s */
+    const char *ceil_name;
+} row_t;
+
+static row_t g_rows[MAX_ROWS];
+static int g_nrows;
+static double g_copy_bw, g_bf16_peak, g_f32_peak; /* measured ceilings */
+
+static void die(const char *what) {
+    fprintf(stderr, "bench_gpu_kernels: %s: %s\n", what, mo_last_error());
+    exit(1);
+}
+
+static void cuda_ok(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) {
+        fprintf(stderr, "bench_gpu_kernels: %s: %s\n", what, cudaGetErrorString(e));
+        exit(1);
+    }
+}
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    if (g_be->alloc(g_be, &p, bytes) < 0)
+        die("alloc");
+    return p;
+}
+
+/* n elements of dtype dt, uniform in [lo, hi): one random block uploaded and
+ * repeated (timings do not depend on the values beyond their being random). */
+static void *drand(size_t n, dtype_t dt, uint64_t seed, float lo, float hi) {
+    size_t es = dtype_size(dt), blk = n < ((size_t)1 << 22) ? n : ((size_t)1 << 22);
+    float *f = malloc(blk * sizeof(float));
+    void *h = malloc(blk * es);
+    rng_fill_uniform(f, blk, seed, 0xbe9c, lo, hi);
+    convert_from_f32(h, dt, f, blk);
+    char *d = dalloc(n * es);
+    if (g_be->copy(g_be, d, DEV_CUDA, h, DEV_CPU, blk * es) < 0)
+        die("upload");
+    for (size_t off = blk; off < n; off += blk) {
+        size_t m = n - off < blk ? n - off : blk;
+        if (g_be->copy(g_be, d + off * es, DEV_CUDA, d, DEV_CUDA, m * es) < 0)
+            die("replicate");
+    }
+    free(f);
+    free(h);
+    return d;
+}
+
+static int32_t *dids(size_t n, uint64_t seed, int hi) {
+    float *u = malloc(n * sizeof(float));
+    int32_t *ids = malloc(n * sizeof(int32_t));
+    rng_fill_uniform(u, n, seed, 0x1d5, 0.0f, 1.0f);
+    for (size_t i = 0; i < n; i++) {
+        int v = (int)(u[i] * (float)hi);
+        ids[i] = v < hi ? v : hi - 1;
+    }
+    int32_t *d = dalloc(n * sizeof(int32_t));
+    if (g_be->copy(g_be, d, DEV_CUDA, ids, DEV_CPU, n * sizeof(int32_t)) < 0)
+        die("upload ids");
+    free(u);
+    free(ids);
+    return d;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+typedef void (*run_fn)(void *ctx);
+
+/* Median milliseconds of REPS runs after WARM runs, each run between two
+ * events on the default stream. */
+static double time_ms(run_fn f, void *ctx) {
+    cudaEvent_t a, b;
+    cuda_ok(cudaEventCreate(&a), "cudaEventCreate");
+    cuda_ok(cudaEventCreate(&b), "cudaEventCreate");
+    for (int i = 0; i < WARM; i++)
+        f(ctx);
+    if (g_be->synchronize(g_be) < 0)
+        die("warm-up");
+    double t[REPS];
+    for (int i = 0; i < REPS; i++) {
+        cuda_ok(cudaEventRecord(a, 0), "cudaEventRecord");
+        f(ctx);
+        cuda_ok(cudaEventRecord(b, 0), "cudaEventRecord");
+        cuda_ok(cudaEventSynchronize(b), "cudaEventSynchronize");
+        float ms = 0.0f;
+        cuda_ok(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+        t[i] = ms;
+    }
+    if (g_be->synchronize(g_be) < 0)
+        die("timed runs");
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    qsort(t, REPS, sizeof t[0], cmp_double);
+    return 0.5 * (t[(REPS - 1) / 2] + t[REPS / 2]);
+}
+
+static void add_row(const char *name, const char *shape, double ms, double work, int is_flops,
+                    double ceiling, const char *ceil_name) {
+    if (g_nrows == MAX_ROWS)
+        return;
+    row_t *r = &g_rows[g_nrows++];
+    snprintf(r->name, sizeof r->name, "%s", name);
+    snprintf(r->shape, sizeof r->shape, "%s", shape);
+    r->ms = ms, r->work = work, r->is_flops = is_flops;
+    r->ceiling = ceiling, r->ceil_name = ceil_name;
+    double rate = work / (ms * 1e-3);
+    printf("  %-28s %-34s %9.3f ms  %8.1f %s\n", name, shape, ms,
+           is_flops ? rate / 1e12 : rate / 1e9, is_flops ? "TFLOP/s" : "GB/s");
+    fflush(stdout);
+}
+
+/* ---- ceilings ---- */
+
+typedef struct {
+    void *dst, *src;
+    size_t bytes;
+} copy_ctx_t;
+
+static void run_copy(void *p) {
+    copy_ctx_t *c = p;
+    cuda_ok(cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, 0),
+            "cudaMemcpyAsync");
+}
+
+typedef struct {
+    cublasHandle_t h;
+    int n;
+    const void *A, *B;
+    void *C;
+    cudaDataType_t t; /* operands and output */
+} gemm_ctx_t;
+
+static void run_gemm(void *p) {
+    gemm_ctx_t *g = p;
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t s =
+        cublasGemmEx(g->h, CUBLAS_OP_T, CUBLAS_OP_N, g->n, g->n, g->n, &one, g->A, g->t, g->n, g->B,
+                     g->t, g->n, &zero, g->C, g->t, g->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "bench_gpu_kernels: cublasGemmEx: %s\n", cublasGetStatusString(s));
+        exit(1);
+    }
+}
+
+static void ceilings(void) {
+    copy_ctx_t c = {NULL, NULL, (size_t)2 << 30};
+    c.src = drand(c.bytes / 4, DT_F32, 1, -1, 1);
+    c.dst = dalloc(c.bytes);
+    double ms = time_ms(run_copy, &c);
+    g_copy_bw = 2.0 * (double)c.bytes / (ms * 1e-3);
+    add_row("copy (device to device)", "2 GiB, read + write", ms, 2.0 * (double)c.bytes, 0,
+            g_copy_bw, "copy");
+    g_be->free(g_be, c.src);
+    g_be->free(g_be, c.dst);
+
+    gemm_ctx_t g = {NULL, 8192, NULL, NULL, NULL, CUDA_R_16BF};
+    if (cublasCreate(&g.h) != CUBLAS_STATUS_SUCCESS)
+        die("cublasCreate");
+    size_t n2 = (size_t)g.n * g.n;
+    g.A = drand(n2, DT_BF16, 2, -1, 1);
+    g.B = drand(n2, DT_BF16, 3, -1, 1);
+    g.C = dalloc(n2 * 2);
+    double flops = 2.0 * g.n * (double)g.n * g.n;
+    ms = time_ms(run_gemm, &g);
+    g_bf16_peak = flops / (ms * 1e-3);
+    add_row("cuBLAS bf16 GEMM (peak)", "8192^3, f32 accumulate", ms, flops, 1, g_bf16_peak,
+            "bf16 GEMM");
+    g_be->free(g_be, (void *)g.A);
+    g_be->free(g_be, (void *)g.B);
+    g_be->free(g_be, g.C);
+
+    g.n = 4096, g.t = CUDA_R_32F;
+    n2 = (size_t)g.n * g.n;
+    g.A = drand(n2, DT_F32, 4, -1, 1);
+    g.B = drand(n2, DT_F32, 5, -1, 1);
+    g.C = dalloc(n2 * 4);
+    flops = 2.0 * g.n * (double)g.n * g.n;
+    ms = time_ms(run_gemm, &g);
+    g_f32_peak = flops / (ms * 1e-3);
+    add_row("cuBLAS f32 SGEMM (no TF32)", "4096^3", ms, flops, 1, g_f32_peak, "f32 GEMM");
+    g_be->free(g_be, (void *)g.A);
+    g_be->free(g_be, (void *)g.B);
+    g_be->free(g_be, g.C);
+    cublasDestroy(g.h);
+}
+
+/* ---- matmul ---- */
+
+typedef struct {
+    float *out, *inp, *dout, *dinp, *dw;
+    wview_t w;
+    int T, C, OC, backward;
+} mm_ctx_t;
+
+static void run_mm(void *p) {
+    mm_ctx_t *m = p;
+    if (m->backward)
+        g_be->k->matmul_backward(m->dinp, m->dw, NULL, m->dout, m->inp, &m->w, m->T, m->C, m->OC);
+    else
+        g_be->k->matmul_forward(m->out, m->inp, &m->w, NULL, m->T, m->C, m->OC);
+}
+
+static void bench_matmul(const char *label, dtype_t dt, int block, int T, int C, int OC,
+                         int backward, int with_dw) {
+    mm_ctx_t m;
+    memset(&m, 0, sizeof m);
+    m.T = T, m.C = C, m.OC = OC, m.backward = backward;
+    void *w = drand((size_t)OC * C, dt, 10, -1, 1);
+    float *scale = NULL;
+    if (block) {
+        size_t ns = (size_t)((OC + block - 1) / block) * ((C + block - 1) / block);
+        scale = drand(ns, DT_F32, 11, 0.5f, 2.0f);
+    }
+    m.w = wview_of(w, dt);
+    m.w.scale = scale, m.w.block = block;
+    m.inp = drand((size_t)T * C, DT_F32, 12, -1, 1);
+    m.out = dalloc((size_t)T * OC * 4);
+    m.dout = drand((size_t)T * OC, DT_F32, 13, -1, 1);
+    if (backward) {
+        m.dinp = with_dw ? NULL : dalloc((size_t)T * C * 4);
+        m.dw = with_dw ? dalloc((size_t)OC * C * 4) : NULL;
+        if (m.dinp && g_be->memset_zero(g_be, m.dinp, (size_t)T * C * 4) < 0)
+            die("memset");
+        if (m.dw && g_be->memset_zero(g_be, m.dw, (size_t)OC * C * 4) < 0)
+            die("memset");
+    }
+    char shape[64];
+    snprintf(shape, sizeof shape, "T=%d C=%d OC=%d", T, C, OC);
+    double ms = time_ms(run_mm, &m);
+    double flops = 2.0 * T * (double)C * OC;
+    int f32 = dt == DT_F32 && !block;
+    add_row(label, shape, ms, flops, 1, f32 ? g_f32_peak : g_bf16_peak,
+            f32 ? "f32 GEMM" : "bf16 GEMM");
+    g_be->free(g_be, w);
+    g_be->free(g_be, scale);
+    g_be->free(g_be, m.inp);
+    g_be->free(g_be, m.out);
+    g_be->free(g_be, m.dout);
+    g_be->free(g_be, m.dinp);
+    g_be->free(g_be, m.dw);
+}
+
+/* ---- attention ---- */
+
+typedef struct {
+    float *q, *k, *v, *out, *lse, *dout, *dq, *dk, *dv;
+    int32_t *cu;
+    int B, H, Hkv, Dh, window, backward;
+    float scale;
+} att_ctx_t;
+
+static void run_att(void *p) {
+    att_ctx_t *a = p;
+    if (a->backward)
+        g_be->k->attention_backward(a->dq, a->dk, a->dv, a->dout, a->q, a->k, a->v, a->out, a->lse,
+                                    a->cu, a->B, a->H, a->Hkv, a->Dh, a->scale, a->window);
+    else
+        g_be->k->attention_forward(a->out, a->lse, a->q, a->k, a->v, a->cu, a->B, a->H, a->Hkv,
+                                   a->Dh, a->scale, a->window);
+}
+
+static void bench_attention(int B, int L, int H, int Hkv, int Dh) {
+    att_ctx_t a;
+    memset(&a, 0, sizeof a);
+    a.B = B, a.H = H, a.Hkv = Hkv, a.Dh = Dh, a.scale = 1.0f / sqrtf((float)Dh);
+    size_t T = (size_t)B * L, nq = T * H * Dh, nkv = T * Hkv * Dh;
+    int32_t cu[65];
+    for (int b = 0; b <= B && b < 65; b++)
+        cu[b] = b * L;
+    a.cu = dalloc(sizeof(int32_t) * (B + 1));
+    if (g_be->copy(g_be, a.cu, DEV_CUDA, cu, DEV_CPU, sizeof(int32_t) * (B + 1)) < 0)
+        die("upload cu_seqlens");
+    a.q = drand(nq, DT_F32, 20, -1, 1);
+    a.k = drand(nkv, DT_F32, 21, -1, 1);
+    a.v = drand(nkv, DT_F32, 22, -1, 1);
+    a.dout = drand(nq, DT_F32, 23, -1, 1);
+    a.out = dalloc(nq * 4);
+    a.lse = dalloc(T * H * 4);
+    a.dq = dalloc(nq * 4);
+    a.dk = dalloc(nkv * 4);
+    a.dv = dalloc(nkv * 4);
+    if (g_be->memset_zero(g_be, a.dq, nq * 4) < 0 || g_be->memset_zero(g_be, a.dk, nkv * 4) < 0 ||
+        g_be->memset_zero(g_be, a.dv, nkv * 4) < 0)
+        die("memset");
+    /* causal: each query sees on average (L + 1) / 2 keys; 2 products forward */
+    double fwd = 4.0 * H * Dh * (double)B * L * (L + 1) / 2.0;
+    char shape[64];
+    snprintf(shape, sizeof shape, "B=%d L=%d H=%d Hkv=%d Dh=%d", B, L, H, Hkv, Dh);
+    double ms = time_ms(run_att, &a);
+    add_row("attention_forward (f32)", shape, ms, fwd, 1, g_f32_peak, "f32 GEMM");
+    a.backward = 1;
+    ms = time_ms(run_att, &a);
+    add_row("attention_backward (f32)", shape, ms, 2.5 * fwd, 1, g_f32_peak, "f32 GEMM");
+    void *bufs[] = {a.cu, a.q, a.k, a.v, a.dout, a.out, a.lse, a.dq, a.dk, a.dv};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        g_be->free(g_be, bufs[i]);
+}
+
+/* ---- logprob and the memory-bound ops ---- */
+
+typedef struct {
+    float *logits, *logp, *ent, *lse, *dlogp, *dent, *dlogits;
+    int32_t *targets;
+    int N, V, backward;
+} lp_ctx_t;
+
+static void run_lp(void *p) {
+    lp_ctx_t *l = p;
+    if (l->backward)
+        g_be->k->logprob_backward(l->dlogits, l->dlogp, l->dent, l->logits, l->lse, l->targets,
+                                  l->N, l->V, 1.0f);
+    else
+        g_be->k->logprob_forward(l->logp, l->ent, l->lse, l->logits, l->targets, l->N, l->V, 1.0f);
+}
+
+static void bench_logprob(int N, int V) {
+    lp_ctx_t l;
+    memset(&l, 0, sizeof l);
+    l.N = N, l.V = V;
+    size_t n = (size_t)N * V;
+    l.logits = drand(n, DT_F32, 30, -8, 8);
+    l.targets = dids(N, 31, V);
+    l.logp = dalloc(N * 4), l.ent = dalloc(N * 4), l.lse = dalloc(N * 4);
+    l.dlogp = drand(N, DT_F32, 32, -1, 1);
+    l.dent = drand(N, DT_F32, 33, -1, 1);
+    l.dlogits = dalloc(n * 4);
+    if (g_be->memset_zero(g_be, l.dlogits, n * 4) < 0)
+        die("memset");
+    char shape[64];
+    snprintf(shape, sizeof shape, "N=%d V=%d", N, V);
+    double ms = time_ms(run_lp, &l);
+    /* the fewest bytes: logits read once */
+    add_row("logprob_forward (+entropy)", shape, ms, 4.0 * n, 0, g_copy_bw, "copy");
+    l.backward = 1;
+    ms = time_ms(run_lp, &l);
+    /* logits read, dlogits read and written */
+    add_row("logprob_backward (both)", shape, ms, 12.0 * n, 0, g_copy_bw, "copy");
+    void *bufs[] = {l.logits, l.targets, l.logp, l.ent, l.lse, l.dlogp, l.dent, l.dlogits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        g_be->free(g_be, bufs[i]);
+}
+
+typedef struct {
+    float *x, *w, *out, *rstd, *a, *b;
+    int32_t *idx;
+    int N, D, K, op;
+} ew_ctx_t;
+
+enum { OP_RMSNORM, OP_SWIGLU, OP_SOFTMAX, OP_TOPK };
+
+static void run_ew(void *p) {
+    ew_ctx_t *e = p;
+    switch (e->op) {
+    case OP_RMSNORM:
+        g_be->k->rmsnorm_forward(e->out, e->rstd, e->x, e->w, e->N, e->D, 1e-6f);
+        break;
+    case OP_SWIGLU: g_be->k->swiglu_forward(e->out, e->a, e->b, (size_t)e->N * e->D); break;
+    case OP_SOFTMAX: g_be->k->softmax_forward(e->out, e->x, e->N, e->D); break;
+    default: g_be->k->topk_forward(e->idx, e->out, e->x, e->N, e->D, e->K); break;
+    }
+}
+
+static void bench_small_ops(void) {
+    ew_ctx_t e;
+    memset(&e, 0, sizeof e);
+    char shape[64];
+    e.N = 16384, e.D = 4096, e.op = OP_RMSNORM;
+    size_t n = (size_t)e.N * e.D;
+    e.x = drand(n, DT_F32, 40, -2, 2);
+    e.w = drand(e.D, DT_F32, 41, 0.5f, 1.5f);
+    e.out = dalloc(n * 4), e.rstd = dalloc(e.N * 4);
+    snprintf(shape, sizeof shape, "N=%d D=%d", e.N, e.D);
+    add_row("rmsnorm_forward", shape, time_ms(run_ew, &e), 8.0 * n, 0, g_copy_bw, "copy");
+    g_be->free(g_be, e.x), g_be->free(g_be, e.w), g_be->free(g_be, e.out);
+    g_be->free(g_be, e.rstd);
+
+    e.N = 16384, e.D = 14336, e.op = OP_SWIGLU;
+    n = (size_t)e.N * e.D;
+    e.a = drand(n, DT_F32, 42, -4, 4), e.b = drand(n, DT_F32, 43, -2, 2), e.out = dalloc(n * 4);
+    snprintf(shape, sizeof shape, "n=%d*%d", e.N, e.D);
+    add_row("swiglu_forward", shape, time_ms(run_ew, &e), 12.0 * n, 0, g_copy_bw, "copy");
+    g_be->free(g_be, e.a), g_be->free(g_be, e.b), g_be->free(g_be, e.out);
+
+    e.N = 16384, e.D = 128, e.K = 8, e.op = OP_SOFTMAX;
+    n = (size_t)e.N * e.D;
+    e.x = drand(n, DT_F32, 44, -4, 4), e.out = dalloc(n * 4);
+    e.idx = dalloc((size_t)e.N * e.K * 4);
+    snprintf(shape, sizeof shape, "N=%d E=%d", e.N, e.D);
+    add_row("softmax_forward (router)", shape, time_ms(run_ew, &e), 8.0 * n, 0, g_copy_bw, "copy");
+    e.op = OP_TOPK;
+    snprintf(shape, sizeof shape, "N=%d E=%d K=%d", e.N, e.D, e.K);
+    add_row("topk_forward (router)", shape, time_ms(run_ew, &e), 4.0 * n, 0, g_copy_bw, "copy");
+    g_be->free(g_be, e.x), g_be->free(g_be, e.out), g_be->free(g_be, e.idx);
+}
+
+static void print_table(void) {
+    printf("\n%-28s %-34s %10s %12s %8s  %s\n", "kernel", "shape", "median ms", "rate", "of ceil",
+           "ceiling");
+    for (int i = 0; i < g_nrows; i++) {
+        row_t *r = &g_rows[i];
+        double rate = r->work / (r->ms * 1e-3);
+        char rs[32];
+        if (r->is_flops)
+            snprintf(rs, sizeof rs, "%.1f TF/s", rate / 1e12);
+        else
+            snprintf(rs, sizeof rs, "%.0f GB/s", rate / 1e9);
+        printf("%-28s %-34s %10.3f %12s %7.0f%%  %s\n", r->name, r->shape, r->ms, rs,
+               100.0 * rate / r->ceiling, r->ceil_name);
+    }
+}
+
+int main(void) {
+    int ndev = 0;
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    if (e != cudaSuccess || ndev == 0) {
+        printf("bench_gpu_kernels: no CUDA device (%s), skipped\n",
+               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
+        return 77;
+    }
+    g_be = backend_get(DEV_CUDA);
+    if (!g_be)
+        die("backend");
+    cuda_device_info_t info;
+    if (backend_cuda_device_info(&info) < 0)
+        die("device info");
+    printf("device %d: %s, sm_%d%d, %d SMs, %.1f GiB, L2 %.0f MiB\n", info.ordinal, info.name,
+           info.cc_major, info.cc_minor, info.sm_count, (double)info.total_mem / (1 << 30),
+           (double)info.l2_bytes / (1 << 20));
+    printf("median of %d runs after %d warm-up runs, CUDA events, random data\n", REPS, WARM);
+    ceilings();
+    bench_matmul("matmul_forward bf16 w", DT_BF16, 0, 4096, 4096, 14336, 0, 0);
+    bench_matmul("matmul_backward dinp bf16 w", DT_BF16, 0, 4096, 4096, 14336, 1, 0);
+    bench_matmul("matmul_forward fp8 w b128", DT_F8E4M3, 128, 4096, 4096, 14336, 0, 0);
+    bench_matmul("matmul_forward f32 w", DT_F32, 0, 4096, 4096, 4096, 0, 0);
+    bench_matmul("matmul_forward LoRA A f32", DT_F32, 0, 4096, 4096, 16, 0, 0);
+    bench_matmul("matmul_backward dw LoRA A", DT_F32, 0, 4096, 4096, 16, 1, 1);
+    bench_attention(2, 4096, 32, 8, 128);
+    bench_logprob(4096, 151936);
+    bench_small_ops();
+    cuda_pool_stats_t ps;
+    backend_cuda_pool_stats(&ps);
+    printf("pool: %.2f GiB reserved, %llu cudaMalloc calls for %llu allocations\n",
+           (double)ps.reserved / (1 << 30), (unsigned long long)ps.device_allocs,
+           (unsigned long long)ps.allocs);
+    printf("(model-level timings, a train step and decode, need the model on CUDA; "
+           "not measured here)\n");
+    print_table();
+    return 0;
+}
+
+#else
+int main(void) {
+    printf("bench_gpu_kernels: this build has no CUDA backend, skipped\n");
+    return 77;
+}
+#endif
