@@ -6,9 +6,33 @@
 #include "core/status.h"
 
 extern const cli_command_t cmd_config;
+extern const cli_command_t cmd_keys;
+extern const cli_command_t cmd_generate;
+extern const cli_command_t cmd_init_model;
+extern const cli_command_t cmd_score;
+extern const cli_command_t cmd_learner;
+extern const cli_command_t cmd_rollout;
+extern const cli_command_t cmd_reward;
+extern const cli_command_t cmd_sft;
+extern const cli_command_t cmd_run;
+extern const cli_command_t cmd_ctl;
+extern const cli_command_t cmd_report;
+extern const cli_command_t cmd_plan;
 
 const cli_command_t *const cli_commands[] = {
     &cmd_config,
+    &cmd_keys,
+    &cmd_generate,
+    &cmd_init_model,
+    &cmd_score,
+    &cmd_learner,
+    &cmd_rollout,
+    &cmd_reward,
+    &cmd_sft,
+    &cmd_run,
+    &cmd_ctl,
+    &cmd_report,
+    &cmd_plan,
     NULL,
 };
 
