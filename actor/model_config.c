@@ -398,10 +398,10 @@ static int parse_common(const jin_t *j, model_config_t *c, double eps_def, doubl
     static const char *const silu[] = {"silu"};
     int act;
     TRY(jenum(j, "hidden_act", 0, silu, 1, &act));
-    TRY(jfixed_false(j, "attention_bias", "biased attention projections are not implemented"));
-    TRY(jfixed_false(j, "mlp_bias", "biased MLP projections are not implemented"));
-    TRY(jfixed_zero(j, "attention_dropout", "0 (dropout is not implemented)"));
-    TRY(jfixed_zero(j, "router_jitter_noise", "0 (router jitter is not implemented)"));
+    TRY(jfixed_false(j, "attention_bias", "biased attention projections are not supported"));
+    TRY(jfixed_false(j, "mlp_bias", "biased MLP projections are not supported"));
+    TRY(jfixed_zero(j, "attention_dropout", "0 (dropout is not supported)"));
+    TRY(jfixed_zero(j, "router_jitter_noise", "0 (router jitter is not supported)"));
     const cJSON *tp = jget(j, "pretraining_tp");
     if (tp && (!cJSON_IsNumber(tp) || tp->valuedouble != 1))
         return bad_field(j, "pretraining_tp", tp, "1");
