@@ -58,7 +58,7 @@ typedef struct plan_layout {
     int n_targets;
     plan_wtype_t base;     /* storage of the frozen base */
     int seq_len;           /* tokens per sequence */
-    int64_t tokens;        /* T: tokens per GPU per micro-batch (a multiple of nothing) */
+    int64_t tokens;        /* T: tokens per GPU per micro-batch */
     int recompute;         /* the mode the fit check uses: 1 recompute on, 0 off */
     int logits_chunk_rows; /* 0: the actor's default, (1 << 22) / V */
     double imbalance;      /* busiest expert's load / mean load, >= 1 */

@@ -206,7 +206,7 @@ static void measure(const char *dir, const mcase_t *mc, int recompute, int for_b
         CU_ASSERT_EQUAL_FATAL(model_backward(m, dl, NULL), 0);
         double g = 0.0;
         for (size_t i = 0; i < ad->n_params; i++)
-            g += fabs(ad->grads[i]);
+            g += (double)fabsf(ad->grads[i]);
         CU_ASSERT(g > 0.0 && isfinite(g));
     }
     out->weights = checkpoint_bytes(m);
@@ -376,7 +376,7 @@ static void block_init(block_t *b) {
         b->views[i] = wview_f32(p);
     b->w.gate = b->views;
     b->w.up = b->views + E;
-    b->w.down = b->views + 2 * E;
+    b->w.down = b->views + 2 * (size_t)E;
     b->w.shared.gate = wview_f32(p);
     b->w.shared.up = wview_f32(p + mat);
     b->w.shared.down = wview_f32(p + 2 * mat);
@@ -501,13 +501,13 @@ static void routing_build(routing_t *r, uint64_t seed, int skew) {
     for (int p = 0; p < AN; p++) {
         r->T[p] = 40 + 7 * p;
         for (int t = 0; t < r->T[p]; t++) {
-            uint64_t at = (uint64_t)(p * AMAXT + t);
+            uint64_t at = (uint64_t)p * AMAXT + (uint64_t)t;
             int e0 = (int)(rng_uniform(seed, 1, at) * AE) % AE;
             if (skew && rng_uniform(seed, 3, at) < 0.5f)
                 e0 = 0; /* half the tokens to rank 0's first expert */
             int e1 = (e0 + 1 + (int)(rng_uniform(seed, 2, at) * (AE - 1))) % AE;
-            r->idx[p][t * AK] = e0;
-            r->idx[p][t * AK + 1] = e1;
+            r->idx[p][(size_t)t * AK] = e0;
+            r->idx[p][(size_t)t * AK + 1] = e1;
         }
         CU_ASSERT_EQUAL_FATAL(moe_dispatch_plan(&r->plan[p], &r->ar, r->idx[p], r->T[p], AK, AE),
                               0);
@@ -529,8 +529,9 @@ static void rank_state(moe_ep_state_t *st, int64_t *buf, const routing_t *r, int
     st->recv_counts = buf + AN;
     for (int p = 0; p < AN; p++) {
         const int32_t *mine = r->plan[rank].offsets, *theirs = r->plan[p].offsets;
-        st->send_counts[p] = (int64_t)(mine[(p + 1) * n] - mine[p * n]) * AD;
-        st->recv_counts[p] = (int64_t)(theirs[(rank + 1) * n] - theirs[rank * n]) * AD;
+        size_t lo = (size_t)p * n, hi = lo + (size_t)n, mlo = (size_t)rank * n;
+        st->send_counts[p] = (int64_t)(mine[hi] - mine[lo]) * AD;
+        st->recv_counts[p] = (int64_t)(theirs[mlo + (size_t)n] - theirs[mlo]) * AD;
     }
 }
 
@@ -596,7 +597,9 @@ static void test_alltoall_uniform(void) {
         for (int p = 0; p < AN; p++)
             for (int s = 0; s < T * AK; s++)
                 counts[p * AE +
-                       (int)(rng_uniform(99, (uint64_t)d, (uint64_t)(p * T * AK + s)) * AE) % AE]++;
+                       (int)(rng_uniform(99, (uint64_t)d, (uint64_t)p * T * AK + (uint64_t)s) *
+                             AE) %
+                           AE]++;
         plan_a2a_exact(&pa, counts, AN, AE, AD, 4, 2);
         sum += (double)(pa.bytes_sent - cnt);
         want += plan_a2a_uniform(T, AK, AD, AN, 4);
@@ -675,7 +678,7 @@ static void test_expert_adapters_shard(void) {
     int64_t expert = 16LL * (2048 + 768) * 3 * 128 * 48, attn = p.lora_params - expert;
     CU_ASSERT_EQUAL(p.lora_params_experts, expert);
     CU_ASSERT_EQUAL(p.lora_params_gpu, attn + expert / 8);
-    CU_ASSERT_EQUAL(p.expert_allreduce_payload, 4.0 * (double)(expert / 8));
+    CU_ASSERT_EQUAL(p.expert_allreduce_payload, 4.0 * (double)expert / 8.0);
     TU_ASSERT_CLOSE(rel(p.expert_allreduce_ring, p.expert_allreduce_payload), 1e-12, "dp 2");
     CU_ASSERT_EQUAL(p.allreduce_payload, 4.0 * (double)attn);
     /* GQA KV: 2 x 48 layers x 4 kv heads x 128 x 2 bytes. */
