@@ -89,6 +89,28 @@ static int wait_exit(pid_t pid, int limit_ms) {
     }
 }
 
+/* Waits for a worker that the learner should have told to stop. A worker that
+ * started after the learner had already left was never told (workers wait for
+ * a learner by design); it is stopped with SIGTERM, as moerl run does, and must
+ * then drain and exit 0 too. */
+static int wait_worker(pid_t pid) {
+    double until = now_ms() + 10000;
+    for (;;) {
+        int st;
+        pid_t r = waitpid(pid, &st, WNOHANG);
+        if (r == pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        if (r < 0 && errno != EINTR)
+            return -1;
+        if (now_ms() > until)
+            break;
+        sleep_ms(20);
+    }
+    tu_report("worker %d still running 10 s after the learner: sending SIGTERM", (int)pid);
+    kill(pid, SIGTERM);
+    return wait_exit(pid, QUICK_LIMIT_MS);
+}
+
 static char *read_file(const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f)
@@ -203,9 +225,9 @@ static void job_start(job_t *j) {
 /* Waits for every daemon; asserts each exited 0. */
 static void job_wait_clean(job_t *j) {
     int sl = wait_exit(j->learner, JOB_LIMIT_MS);
-    int sw = wait_exit(j->reward, QUICK_LIMIT_MS);
-    int s0 = wait_exit(j->rollout[0], QUICK_LIMIT_MS);
-    int s1 = wait_exit(j->rollout[1], QUICK_LIMIT_MS);
+    int sw = wait_worker(j->reward);
+    int s0 = wait_worker(j->rollout[0]);
+    int s1 = wait_worker(j->rollout[1]);
     const char *logs[4] = {j->log_l, j->log_w, j->log_r[0], j->log_r[1]};
     int st[4] = {sl, sw, s0, s1};
     for (int i = 0; i < 4; i++) {
