@@ -198,15 +198,40 @@ static void cell(FILE *out, double v, int width) {
         fprintf(out, "%*s", width, "-");
 }
 
+/* Whether row i gets a line in the table: the evaluated steps (and the last step) when
+ * there are evaluations, else about 20 evenly spaced steps and the last. */
+static bool table_row(const run_report_t *r, int i, bool evaluated) {
+    if (i == r->n - 1)
+        return true;
+    if (evaluated)
+        return isfinite(r->rows[i].accuracy);
+    int every = (r->n + 19) / 20;
+    return (i + 1) % every == 0;
+}
+
 void report_print(const run_report_t *r, FILE *out) {
+    bool evaluated = report_first_eval(r) != NULL;
     fprintf(out, "%6s  %11s  %17s\n", "step", "reward mean", "held-out accuracy");
+    double sum = 0;
+    int n = 0;
     for (int i = 0; i < r->n; i++) {
+        if (isfinite(r->rows[i].reward_mean)) {
+            sum += r->rows[i].reward_mean;
+            n++;
+        }
+        if (!table_row(r, i, evaluated))
+            continue;
         fprintf(out, "%6lld  ", (long long)r->rows[i].step);
-        cell(out, r->rows[i].reward_mean, 11);
+        cell(out, n ? sum / n : NAN, 11);
         fputs("  ", out);
         cell(out, r->rows[i].accuracy, 17);
         fputc('\n', out);
+        sum = 0;
+        n = 0;
     }
+    fputs("(reward mean: the sampled completions' reward, averaged over the steps since the "
+          "row above)\n",
+          out);
     const report_row_t *a = report_first_eval(r), *b = report_last_eval(r);
     if (a && b && a != b)
         fprintf(out,
@@ -293,24 +318,61 @@ static void svg_axes(FILE *f, const plot_box_t *b) {
             SVG_H - 12);
 }
 
-/* One series: a polyline through its finite points, with dots when marked. */
-static int svg_series(FILE *f, const run_report_t *r, const plot_box_t *b, bool accuracy,
-                      const char *color) {
+/* One series v (r->n values, one per row): a polyline through its finite points, with
+ * dots when asked. Returns the number of points. */
+static int svg_series(FILE *f, const run_report_t *r, const plot_box_t *b, const double *v,
+                      const char *color, double width, double opacity, bool dots) {
     int n = 0;
-    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\" points=\"", color);
+    fprintf(f,
+            "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%.1f\" "
+            "stroke-opacity=\"%.2f\" points=\"",
+            color, width, opacity);
     for (int i = 0; i < r->n; i++) {
-        double v = accuracy ? r->rows[i].accuracy : r->rows[i].reward_mean;
-        if (isfinite(v)) {
-            fprintf(f, "%s%.1f,%.1f", n ? " " : "", px(b, (double)r->rows[i].step), py(b, v));
+        if (isfinite(v[i])) {
+            fprintf(f, "%s%.1f,%.1f", n ? " " : "", px(b, (double)r->rows[i].step), py(b, v[i]));
             n++;
         }
     }
     fputs("\"/>\n", f);
-    for (int i = 0; accuracy && i < r->n; i++)
-        if (isfinite(r->rows[i].accuracy))
+    for (int i = 0; dots && i < r->n; i++)
+        if (isfinite(v[i]))
             fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>\n",
-                    px(b, (double)r->rows[i].step), py(b, r->rows[i].accuracy), color);
+                    px(b, (double)r->rows[i].step), py(b, v[i]), color);
     return n;
+}
+
+/* The series of the plot: the reward of each step, its trailing average over *window
+ * steps (about 1/25 of the run), the held-out accuracy. v: (3, r->n), malloc'd. */
+static double *plot_series(const run_report_t *r, int *window) {
+    double *v = malloc(sizeof *v * 3 * (size_t)r->n);
+    if (!v)
+        return NULL;
+    int finite = 0;
+    for (int i = 0; i < r->n; i++)
+        finite += isfinite(r->rows[i].reward_mean);
+    int w = finite / 25 > 1 ? finite / 25 : 1;
+    double sum = 0;
+    int k = 0, first = 0; /* the window holds finite rewards of rows first..i */
+    for (int i = 0; i < r->n; i++) {
+        double x = r->rows[i].reward_mean;
+        v[i] = x;
+        v[2 * r->n + i] = r->rows[i].accuracy;
+        v[r->n + i] = NAN;
+        if (!isfinite(x))
+            continue;
+        sum += x;
+        k++;
+        while (k > w) {
+            if (isfinite(r->rows[first].reward_mean)) {
+                sum -= r->rows[first].reward_mean;
+                k--;
+            }
+            first++;
+        }
+        v[r->n + i] = sum / k;
+    }
+    *window = w;
+    return v;
 }
 
 int report_write_svg(const run_report_t *r, const char *title, const char *path) {
@@ -332,11 +394,26 @@ int report_write_svg(const run_report_t *r, const char *title, const char *path)
     svg_text_escaped(f, title ? title : "");
     fputs("</text>\n", f);
     svg_axes(f, &b);
+    int w = 1;
+    double *v = plot_series(r, &w);
+    if (!v) {
+        fclose(f);
+        unlink(tmp);
+        return mo_errorf(MO_ENOMEM, "out of memory");
+    }
     static const char *const colors[2] = {"#1f77b4", "#d62728"};
-    static const char *const labels[2] = {"reward mean (sampled)", "held-out greedy accuracy"};
+    char label[2][96];
+    if (w > 1)
+        snprintf(label[0], sizeof label[0], "reward mean (sampled; thick: average of %d steps)", w);
+    else
+        snprintf(label[0], sizeof label[0], "reward mean (sampled)");
+    snprintf(label[1], sizeof label[1], "held-out greedy accuracy");
     int drawn[2];
-    for (int k = 0; k < 2; k++)
-        drawn[k] = svg_series(f, r, &b, k == 1, colors[k]);
+    if (w > 1)
+        svg_series(f, r, &b, v, colors[0], 1.0, 0.35, false);
+    drawn[0] = svg_series(f, r, &b, v + r->n, colors[0], 2.0, 1.0, false);
+    drawn[1] = svg_series(f, r, &b, v + 2 * r->n, colors[1], 2.0, 1.0, true);
+    free(v);
     for (int k = 0, row = 0; k < 2; k++) {
         if (!drawn[k])
             continue;
@@ -345,7 +422,7 @@ int report_write_svg(const run_report_t *r, const char *title, const char *path)
                 "<line x1=\"%d\" y1=\"%d\" x2=\"%d\" y2=\"%d\" stroke=\"%s\" stroke-width=\"2\"/>"
                 "<text x=\"%d\" y=\"%d\" font-family=\"sans-serif\" font-size=\"12\" "
                 "fill=\"#333\">%s</text>\n",
-                SVG_L + 10, y - 4, SVG_L + 34, y - 4, colors[k], SVG_L + 40, y, labels[k]);
+                SVG_L + 10, y - 4, SVG_L + 34, y - 4, colors[k], SVG_L + 40, y, label[k]);
     }
     fputs("</svg>\n", f);
     int bad = ferror(f);

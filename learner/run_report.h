@@ -49,8 +49,10 @@ typedef void (*report_progress_fn)(void *arg, int64_t step, double accuracy, int
 int report_eval_checkpoints(run_report_t *r, const moerl_config_t *c, const char *run_dir,
                             int eval_n, report_progress_fn progress, void *arg);
 
-/* The table: step, reward mean, held-out accuracy ("-" when none), then the first and
- * last evaluated accuracy and their difference. */
+/* The table: one line per evaluated step (and the last step; about 20 evenly spaced
+ * steps when nothing was evaluated) with the reward mean averaged over the steps since
+ * the line above and the held-out accuracy ("-" when none); then the first and last
+ * evaluated accuracy and their difference. */
 void report_print(const run_report_t *r, FILE *out);
 
 /* An SVG line plot of reward mean and held-out accuracy by step (written through a

@@ -32,7 +32,6 @@ typedef struct sup_inst {
     sup_stream_t out, err;
     sup_proc_t *owner;
     int open;                     /* handles not yet closed */
-    bool exited;                  /* exit callback seen */
     uint64_t start_ms;            /* uv_now at spawn */
     struct sup_inst *prev, *next; /* the supervisor's list of instances with open handles */
 } sup_inst_t;
@@ -44,8 +43,7 @@ struct sup_proc {
     supervisor_t *sup;
     sup_inst_t *inst; /* the live instance, or NULL */
     uv_timer_t timer; /* restart backoff */
-    bool timer_armed;
-    int in_a_row; /* failures since the last stable run */
+    int in_a_row;     /* failures since the last stable run */
     FILE *log;
     char last_err[512]; /* last stderr line with a letter or digit (stdout when none) */
     char last_out[512];
@@ -73,7 +71,6 @@ struct supervisor {
     char **env; /* merged environment, or NULL to inherit */
     char status[1024];
     bool status_drawn;
-    int status_kind;
     sup_result_t res;
     bool res_set;
 };
@@ -660,7 +657,6 @@ static void on_proc_exit(uv_process_t *h, int64_t status, int sig) {
     sup_inst_t *in = h->data;
     sup_proc_t *p = in->owner;
     supervisor_t *s = p->sup;
-    in->exited = true;
     s->running--;
     if (p->inst == in)
         p->inst = NULL;

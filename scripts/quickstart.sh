@@ -12,7 +12,7 @@
 #   4. prints reward mean and held-out greedy accuracy by step, the accuracy
 #      before and after RL, and writes runs/quickstart/report.svg.
 #
-# Environment: QUICKSTART_SFT_STEPS (warm-start updates, default 1500) and
+# Environment: QUICKSTART_SFT_STEPS (warm-start updates, default 4000) and
 # QUICKSTART_RL_STEPS (learner steps, default: configs/quickstart.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ cmake --build build/release -j"$(nproc)"
 moerl=./build/release/moerl
 config=configs/quickstart.yaml
 base=models/quickstart-base
-sft_steps=${QUICKSTART_SFT_STEPS:-1500}
+sft_steps=${QUICKSTART_SFT_STEPS:-4000}
 
 if [ -f "$base/model.safetensors" ]; then
   echo "quickstart: base model $base is already there (delete it to make it again)"
@@ -34,7 +34,7 @@ else
   "$moerl" init-model --arch qwen3_moe --size tiny --seed 1 --out models/quickstart-init
   rm -rf "$base.tmp"
   "$moerl" sft "$config" --set model.path=models/quickstart-init --set run.threads=0 \
-    --full --steps "$sft_steps" --eval-every 500 --out "$base.tmp"
+    --full --steps "$sft_steps" --lr 4e-3 --logit-scale 16 --eval-every 1000 --out "$base.tmp"
   mv "$base.tmp" "$base"
 fi
 

@@ -56,6 +56,50 @@ static inline void it_sleep_ms(int ms) {
     nanosleep(&ts, NULL);
 }
 
+/* Every process and directory of the suite, so that a test that stops at a failed
+ * CU_ASSERT_FATAL (before its it_close) leaves nothing running or behind: the exit
+ * handler stops them. */
+static struct {
+    pid_t pids[64];
+    int npids;
+    char dirs[16][256];
+    int ndirs;
+    int registered;
+} it_all;
+
+static inline void it_stop_pid(pid_t pid) {
+    if (pid <= 0 || waitpid(pid, NULL, WNOHANG) != 0)
+        return;
+    kill(pid, SIGTERM);
+    for (int i = 0; i < 1000; i++) { /* 20 s */
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            return;
+        struct timespec ts = {0, 20000000L};
+        nanosleep(&ts, NULL);
+    }
+    kill(pid, SIGKILL);
+    kill(-pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+static inline void it_at_exit(void) {
+    for (int i = 0; i < it_all.npids; i++)
+        it_stop_pid(it_all.pids[i]);
+    for (int i = 0; i < it_all.ndirs; i++)
+        tu_rmtree(it_all.dirs[i]);
+}
+
+static inline void it_register(pid_t pid, const char *dir) {
+    if (!it_all.registered) {
+        atexit(it_at_exit);
+        it_all.registered = 1;
+    }
+    if (pid > 0 && it_all.npids < 64)
+        it_all.pids[it_all.npids++] = pid;
+    if (dir && it_all.ndirs < 16)
+        snprintf(it_all.dirs[it_all.ndirs++], sizeof it_all.dirs[0], "%s", dir);
+}
+
 /* n consecutive free tcp ports on 127.0.0.1, starting from a pid-dependent base. */
 static inline int it_free_ports(int n) {
     void *ctx = zmq_ctx_new();
@@ -128,6 +172,7 @@ static inline void it_sections(char *buf, size_t cap, const it_knobs_t *k) {
 static inline void it_open(it_job_t *j, const char *extra) {
     memset(j, 0, sizeof *j);
     CU_ASSERT_FATAL(tu_tmpdir(j->dir, sizeof j->dir) == 0);
+    it_register(0, j->dir);
     snprintf(j->model, sizeof j->model, "%s/model", j->dir);
     snprintf(j->run, sizeof j->run, "%s/run", j->dir);
     snprintf(j->config, sizeof j->config, "%s/job.yaml", j->dir);
@@ -165,6 +210,7 @@ static inline pid_t it_spawn(it_job_t *j, const char *log, const char *const *ar
     }
     if (j->npids < IT_MAX_PROCS)
         j->pids[j->npids++] = pid;
+    it_register(pid, NULL);
     return pid;
 }
 
@@ -189,18 +235,8 @@ static inline int it_exit_code(int status) {
 /* Stops what is still running (SIGTERM: `moerl run` stops its daemons; SIGKILL after
  * 20 s) and removes the directory. */
 static inline void it_close(it_job_t *j) {
-    for (int i = 0; i < j->npids; i++) {
-        pid_t pid = j->pids[i];
-        if (pid <= 0 || waitpid(pid, NULL, WNOHANG) != 0)
-            continue;
-        kill(pid, SIGTERM);
-        int st;
-        if (!it_wait(pid, 20000, &st)) {
-            kill(pid, SIGKILL);
-            kill(-pid, SIGKILL);
-            waitpid(pid, NULL, 0);
-        }
-    }
+    for (int i = 0; i < j->npids; i++)
+        it_stop_pid(j->pids[i]);
     tu_rmtree(j->dir);
 }
 

@@ -161,19 +161,22 @@ static void test_late_joiner(void) {
     if (!ok)
         it_dump(&j, "learner.log");
     CU_ASSERT_FATAL(ok);
-    /* Pause: no new version is published while the late worker joins. */
+    /* Pause, and wait until nothing is leased or training: no new version is published
+     * while the late worker joins. */
     CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "pause"), 0);
     double version = -1, end = it_now_ms() + 30000;
-    while (it_now_ms() < end) {
+    bool quiet = false;
+    while (!quiet && it_now_ms() < end) {
         const cJSON *st = NULL;
         cJSON *root = it_ctl_status(&j, &st);
-        bool busy = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(st, "training"));
+        quiet = root && !cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(st, "training")) &&
+                it_num(st, "moerl_learner_leased_groups") == 0;
         version = it_num(st, "policy_version");
         cJSON_Delete(root);
-        if (!busy && version >= 3)
-            break;
-        it_sleep_ms(50);
+        if (!quiet)
+            it_sleep_ms(50);
     }
+    CU_ASSERT_FATAL(quiet);
     CU_ASSERT_FATAL(version >= 3);
     pid_t p1 = it_spawn(&j, "rollout-1.log", r1);
     double have = -1;

@@ -1,13 +1,14 @@
-/* Integration: a job under `moerl run` with 2 rollout workers, one of them killed with
- * SIGKILL while it holds leases. The supervisor restarts it, the learner hands its
- * prompts out again, and the job reaches its step count with every step trained on
- * exactly prompts_per_step groups (none lost, none trained twice). */
+/* Integration: a job under `moerl run` with 2 rollout workers, one of them frozen while
+ * it holds leases (SIGSTOP) until the learner counts it lost, then killed with SIGKILL.
+ * The learner hands its prompts out again, the supervisor restarts it, and the job
+ * reaches its step count with every step trained on exactly prompts_per_step groups
+ * (none lost, none trained twice). */
 #include "tests/it_job.h"
 
 #define PPS 4 /* rollout.prompts_per_step */
 
 static void test_rollout_killed(void) {
-    int steps = IT_ASAN ? 8 : 12;
+    int steps = IT_ASAN ? 24 : 40; /* long enough to see the worker restarted */
     /* Groups of 8 long generations, so that a worker holds its leases for a while. */
     it_knobs_t k = it_knobs_default();
     k.steps = steps;
@@ -25,19 +26,32 @@ static void test_rollout_killed(void) {
         it_dump(&j, "run.out");
     CU_ASSERT_FATAL(ok);
 
-    /* Kill rollout-1 while the learner counts prompts leased to it. */
+    /* Freeze rollout-1 while it holds several prompts (its last heartbeat says so: more
+     * work than it finishes between two heartbeats), wait until the learner counts it
+     * lost (no heartbeats) and has handed its prompts out again, then kill it. */
     pid_t victim = 0;
     double end = it_now_ms() + 30000;
     while (!victim && it_now_ms() < end) {
         const cJSON *st = NULL;
         cJSON *root = it_ctl_status(&j, &st);
-        if (it_num(st, "rollout-1.inflight") > 0)
+        if (it_num(st, "rollout-1.inflight") >= 2) {
             victim = it_logged_pid(&j, "rollout-1");
+            if (victim > 0)
+                kill(victim, SIGSTOP);
+        }
         cJSON_Delete(root);
-        if (!victim)
-            it_sleep_ms(20);
     }
     CU_ASSERT_FATAL(victim > 0);
+    double lost = 0;
+    end = it_now_ms() + 20000;
+    while (lost < 1 && it_now_ms() < end) {
+        const cJSON *st = NULL;
+        cJSON *root = it_ctl_status(&j, &st);
+        lost = it_num(st, "moerl_learner_workers_lost_total");
+        cJSON_Delete(root);
+        it_sleep_ms(50);
+    }
+    CU_ASSERT(lost >= 1);
     CU_ASSERT_FATAL(kill(victim, SIGKILL) == 0);
     int killed_at = it_step(&j);
 
@@ -57,10 +71,11 @@ static void test_rollout_killed(void) {
     CU_ASSERT_EQUAL(it_num(fin, "moerl_learner_groups_trained_total"), steps * PPS);
     CU_ASSERT_EQUAL(it_num(fin, "moerl_learner_samples_trained_total"), steps * PPS * 8);
     double reissued = it_num(fin, "moerl_learner_groups_reissued_total");
-    double lost = it_num(fin, "moerl_learner_workers_lost_total");
-    if (!(reissued >= 1))
+    lost = it_num(fin, "moerl_learner_workers_lost_total");
+    if (!(reissued >= 2 && lost >= 1))
         tu_report("reissued %g, workers lost %g", reissued, lost);
-    CU_ASSERT(reissued >= 1);
+    CU_ASSERT(reissued >= 2); /* the prompts it held */
+    CU_ASSERT(lost >= 1);
     CU_ASSERT(it_num(fin, "moerl_learner_failed_groups_total") == 0);
     cJSON_Delete(fin);
 

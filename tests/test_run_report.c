@@ -82,9 +82,10 @@ static void test_rows_and_metrics(void) {
     size_t k = fread(text, 1, sizeof text - 1, out);
     text[k] = 0;
     fclose(out);
+    /* Lines at the evaluated steps; the reward averaged over steps 1 and 3. */
     CU_ASSERT(strstr(text, "     0            -              0.125\n") != NULL);
-    CU_ASSERT(strstr(text, "     1        0.250                  -\n") != NULL);
-    CU_ASSERT(strstr(text, "     3        0.625              0.500\n") != NULL);
+    CU_ASSERT(strstr(text, "\n     1 ") == NULL);
+    CU_ASSERT(strstr(text, "     3        0.438              0.500\n") != NULL);
     CU_ASSERT(strstr(text, "held-out greedy accuracy (8 prompts): 0.125 at step 0, 0.500 at "
                            "step 3 (+37.5 points)") != NULL);
 
@@ -101,6 +102,31 @@ static void test_rows_and_metrics(void) {
     CU_ASSERT(strstr(s, "</svg>\n") != NULL);
     free(s);
     CU_ASSERT(report_read_metrics(&r, "/nonexistent/learner.jsonl") == MO_EIO);
+    report_free(&r);
+
+    /* Without evaluations: about 20 lines, each averaging the steps since the last, and a
+     * smoothed reward curve beside the raw one. */
+    report_init(&r);
+    for (int i = 1; i <= 100; i++)
+        report_row(&r, i)->reward_mean = i / 100.0;
+    out = tmpfile();
+    report_print(&r, out);
+    rewind(out);
+    k = fread(text, 1, sizeof text - 1, out);
+    text[k] = 0;
+    fclose(out);
+    CU_ASSERT_EQUAL(count(text, "\n"), 1 + 20 + 1); /* header, every 5th step, the note */
+    CU_ASSERT(strstr(text, "     5        0.030                  -\n") != NULL);
+    CU_ASSERT(strstr(text, "   100        0.980                  -\n") != NULL);
+    CU_ASSERT(strstr(text, "held-out greedy accuracy (") == NULL);
+    CU_ASSERT_FATAL(report_write_svg(&r, "no eval", svg) == MO_OK);
+    s = slurp(svg);
+    CU_ASSERT_FATAL(s != NULL);
+    /* The raw reward, its average over 4 steps, and the (empty) accuracy. */
+    CU_ASSERT_EQUAL(count(s, "<polyline"), 3);
+    CU_ASSERT(strstr(s, "thick: average of 4 steps") != NULL);
+    CU_ASSERT_EQUAL(count(s, "<circle"), 0);
+    free(s);
     report_free(&r);
     CU_ASSERT(report_write_svg(&r, "empty", svg) == MO_EINVAL);
     tu_rmtree(dir);
