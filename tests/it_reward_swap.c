@@ -45,8 +45,9 @@ static void test_swap_mid_run(void) {
     if (!ok)
         it_dump(&j, "run.out");
     CU_ASSERT_FATAL(ok);
+    /* Paused, the job cannot finish while the swap and the refused swap are checked. */
+    CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "pause"), 0);
     CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "swap-reward 'constant:value=0.25'"), 0);
-    int swapped_at = it_step(&j);
     /* The reward worker reports the new version in its heartbeats. */
     double version = 0, end = it_now_ms() + 20000;
     while (version != 2 && it_now_ms() < end) {
@@ -63,7 +64,11 @@ static void test_swap_mid_run(void) {
     snprintf(path, sizeof path, "%s/ctl.log", j.dir);
     char *ctl = it_slurp(path);
     CU_ASSERT(ctl && strstr(ctl, "the learner refused swap_reward") && strstr(ctl, "nosuchreward"));
+    if (ctl && !strstr(ctl, "the learner refused swap_reward"))
+        tu_report("ctl.log: %s", ctl);
     free(ctl);
+    int swapped_at = it_step(&j);
+    CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "resume"), 0);
 
     int status;
     ok = it_wait(run, IT_ASAN ? 300000 : 120000, &status);
