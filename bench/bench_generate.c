@@ -12,7 +12,8 @@
  * written to a temporary directory. Prompts are NP random byte sequences of P tokens;
  * every completion runs exactly N tokens (no stop ids), at temperature 1. "single" runs
  * the first S prompts' G samples one sequence at a time (batch 1, own prefill each).
- * Times include prefill, decode and sampling, not model loading. */
+ * Times include prefill, decode and sampling, not model loading. It also prints which
+ * kernel runs the engine's products with bf16 weights (AMX tiles or the vector units). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,7 @@
 #include "core/backend.h"
 #include "core/rng.h"
 #include "core/status.h"
+#include "rollout/amx_matmul.h"
 #include "rollout/engine.h"
 
 typedef struct args {
@@ -266,6 +268,9 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
                "prompt %d, %d new tokens; %d thread(s)\n",
                m->cfg.model_type, m->L, m->D, m->H, m->Hkv, m->E, m->K, m->V, NP, G, P, N,
                a->threads);
+        printf("moerl products with bf16 weights: %s\n",
+               amx_matmul_available() ? "AMX tiles (activations split into 3 bf16 parts)"
+                                      : "vector units (CPU kernel table)");
         show("moerl batched", &batched);
         show("moerl single", &single);
         if (!a->no_peer) {

@@ -13,6 +13,8 @@
 #define PAR_MIN 4096
 /* Accumulators kept in registers: 16 floats (two AVX2 or one AVX-512 vector). */
 #define LANES 16
+/* Rows attended together over their shared blocks (bounds the scores kept at once). */
+#define GROUP_MAX 16
 
 /* The inner loops are compiled for AVX2+FMA as well as the baseline, and the loader
  * picks one (GCC function multi-versioning on x86-64). */
@@ -65,21 +67,79 @@ HOT_KERNEL static void block_dots(float *restrict a, const float *restrict x,
     }
 }
 
-/* s (G, n): s[g, j - lo] = scale * q_g . k_j for keys lo .. lo + n - 1 of kv head kvh
- * (q_g at q + g sq). The scores of all of a block's slots are computed; those outside
- * the range are dropped. acc: (BS) scratch. */
-static void scores(float *s, const float *q, int G, size_t sq, const kv_cache_t *c, int l,
-                   const kv_seq_t *seq, int kvh, int lo, int n, float scale, float *acc) {
+/* a (2, BS) = the dot products of two queries x0, x1 (Dh) with the BS keys of a block,
+ * kt (Dh, BS): each key vector loaded once for both. For BS = LANES, four partial sums
+ * per query (dimensions d mod 4). */
+HOT_KERNEL static void block_dots2(float *restrict a, const float *restrict x0,
+                                   const float *restrict x1, const float *restrict kt, int Dh,
+                                   int BS) {
+    if (BS != LANES) {
+        block_dots(a, x0, kt, Dh, BS);
+        block_dots(a + BS, x1, kt, Dh, BS);
+        return;
+    }
+    float p0[LANES] = {0}, p1[LANES] = {0}, p2[LANES] = {0}, p3[LANES] = {0};
+    float r0[LANES] = {0}, r1[LANES] = {0}, r2[LANES] = {0}, r3[LANES] = {0};
+    int d = 0;
+    for (; d + 4 <= Dh; d += 4) {
+        const float *restrict k = kt + (size_t)d * LANES;
+        float x00 = x0[d], x01 = x0[d + 1], x02 = x0[d + 2], x03 = x0[d + 3];
+        float x10 = x1[d], x11 = x1[d + 1], x12 = x1[d + 2], x13 = x1[d + 3];
+#pragma omp simd
+        for (int t = 0; t < LANES; t++) {
+            float k0 = k[t], k1 = k[LANES + t], k2 = k[2 * LANES + t], k3 = k[3 * LANES + t];
+            p0[t] += x00 * k0;
+            p1[t] += x01 * k1;
+            p2[t] += x02 * k2;
+            p3[t] += x03 * k3;
+            r0[t] += x10 * k0;
+            r1[t] += x11 * k1;
+            r2[t] += x12 * k2;
+            r3[t] += x13 * k3;
+        }
+    }
+    for (; d < Dh; d++) {
+        const float *restrict k = kt + (size_t)d * LANES;
+        float x00 = x0[d], x10 = x1[d];
+#pragma omp simd
+        for (int t = 0; t < LANES; t++) {
+            p0[t] += x00 * k[t];
+            r0[t] += x10 * k[t];
+        }
+    }
+#pragma omp simd
+    for (int t = 0; t < LANES; t++) {
+        a[t] = (p0[t] + p1[t]) + (p2[t] + p3[t]);
+        a[LANES + t] = (r0[t] + r1[t]) + (r2[t] + r3[t]);
+    }
+}
+
+/* acc (G, BS) = the dot products of the G queries q_g (at q + g sq) with a block's keys:
+ * in pairs (g, g + 1), the last alone when G is odd. */
+static void block_dots_g(float *acc, const float *q, size_t sq, int G, const float *kt, int Dh,
+                         int BS) {
+    int g = 0;
+    for (; g + 2 <= G; g += 2)
+        block_dots2(acc + (size_t)g * BS, q + (size_t)g * sq, q + (size_t)(g + 1) * sq, kt, Dh, BS);
+    if (g < G)
+        block_dots(acc + (size_t)g * BS, q + (size_t)g * sq, kt, Dh, BS);
+}
+
+/* s (G, n) with row stride ld: s[g, j - lo] = scale * q_g . k_j for keys lo .. lo + n - 1
+ * of kv head kvh (q_g at q + g sq). The scores of all of a block's slots are computed;
+ * those outside the range are dropped. acc: (G, BS) scratch. */
+static void scores(float *s, size_t ld, const float *q, int G, size_t sq, const kv_cache_t *c,
+                   int l, const kv_seq_t *seq, int kvh, int lo, int n, float scale, float *acc) {
     int Dh = c->Dh, BS = c->block_tokens;
     for (int j = lo; j < lo + n;) {
         int b = j / BS, o = j % BS;
         int cnt = BS - o < lo + n - j ? BS - o : lo + n - j;
         const float *kt = kv_k_block(c, l, seq->blocks[b]) + (size_t)kvh * Dh * BS;
+        block_dots_g(acc, q, sq, G, kt, Dh, BS);
         for (int g = 0; g < G; g++) {
-            block_dots(acc, q + (size_t)g * sq, kt, Dh, BS);
-            float *sg = s + (size_t)g * (size_t)n + (size_t)(j - lo);
+            float *sg = s + (size_t)g * ld + (size_t)(j - lo);
             for (int t = 0; t < cnt; t++)
-                sg[t] = scale * acc[o + t];
+                sg[t] = scale * acc[(size_t)g * BS + o + t];
         }
         j += cnt;
     }
@@ -101,24 +161,21 @@ static void softmax_row(float *row, int n) {
         row[j] *= inv;
 }
 
-/* o[d0 .. d0 + w) = sum over keys lo .. lo + n - 1 of p[j - lo] v_j[d0 ..], w <= LANES,
- * the values of kv head kvh; four partial sums (slots mod 4) in registers. */
-HOT_KERNEL static void values_span(float *restrict o, const float *restrict p, const kv_cache_t *c,
-                                   int l, const kv_seq_t *seq, int kvh, int lo, int n, int d0,
-                                   int w) {
-    int Dh = c->Dh, BS = c->block_tokens;
-    float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
-    for (int j = lo; j < lo + n;) {
-        int b = j / BS, off = j % BS;
-        int cnt = BS - off < lo + n - j ? BS - off : lo + n - j;
-        const float *vb = kv_v_block(c, l, seq->blocks[b]) + ((size_t)kvh * BS + off) * Dh + d0;
-        const float *pj = p + (j - lo);
+/* o (Dh) += sum over the cnt slots t of p[t] v_t, vb (cnt, Dh) the slots' values (stride
+ * Dh): per span of LANES dimensions, four partial sums (slots mod 4) in registers. The
+ * same arithmetic for a row whatever rows it is computed with. */
+HOT_KERNEL static void block_values(float *restrict o, const float *restrict p,
+                                    const float *restrict vb, int cnt, int Dh) {
+    for (int d0 = 0; d0 < Dh; d0 += LANES) {
+        int w = Dh - d0 < LANES ? Dh - d0 : LANES;
+        float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
+        const float *v = vb + d0;
         if (w == LANES) {
             int t = 0;
             for (; t + 4 <= cnt; t += 4) {
-                const float *restrict v0 = vb + (size_t)t * Dh, *restrict v1 = v0 + Dh;
+                const float *restrict v0 = v + (size_t)t * Dh, *restrict v1 = v0 + Dh;
                 const float *restrict v2 = v1 + Dh, *restrict v3 = v2 + Dh;
-                float q0 = pj[t], q1 = pj[t + 1], q2 = pj[t + 2], q3 = pj[t + 3];
+                float q0 = p[t], q1 = p[t + 1], q2 = p[t + 2], q3 = p[t + 3];
 #pragma omp simd
                 for (int x = 0; x < LANES; x++) {
                     a0[x] += q0 * v0[x];
@@ -128,8 +185,8 @@ HOT_KERNEL static void values_span(float *restrict o, const float *restrict p, c
                 }
             }
             for (; t < cnt; t++) {
-                const float *restrict v0 = vb + (size_t)t * Dh;
-                float q0 = pj[t];
+                const float *restrict v0 = v + (size_t)t * Dh;
+                float q0 = p[t];
 #pragma omp simd
                 for (int x = 0; x < LANES; x++)
                     a0[x] += q0 * v0[x];
@@ -137,43 +194,189 @@ HOT_KERNEL static void values_span(float *restrict o, const float *restrict p, c
         } else {
             for (int t = 0; t < cnt; t++)
                 for (int x = 0; x < w; x++)
-                    a0[x] += pj[t] * vb[(size_t)t * Dh + x];
+                    a0[x] += p[t] * v[(size_t)t * Dh + x];
         }
+        for (int x = 0; x < w; x++)
+            o[d0 + x] += (a0[x] + a1[x]) + (a2[x] + a3[x]);
+    }
+}
+
+/* block_values for two queries at once (o0 with p0, o1 with p1), each value vector
+ * loaded once for both; two partial sums per query (slots mod 2). */
+HOT_KERNEL static void block_values2(float *restrict o0, float *restrict o1,
+                                     const float *restrict p0, const float *restrict p1,
+                                     const float *restrict vb, int cnt, int Dh) {
+    if (Dh % LANES) {
+        block_values(o0, p0, vb, cnt, Dh);
+        block_values(o1, p1, vb, cnt, Dh);
+        return;
+    }
+    for (int d0 = 0; d0 < Dh; d0 += LANES) {
+        float a0[LANES] = {0}, a1[LANES] = {0}, b0[LANES] = {0}, b1[LANES] = {0};
+        const float *v = vb + d0;
+        int t = 0;
+        for (; t + 2 <= cnt; t += 2) {
+            const float *restrict v0 = v + (size_t)t * Dh, *restrict v1 = v0 + Dh;
+            float q0 = p0[t], q1 = p0[t + 1], r0 = p1[t], r1 = p1[t + 1];
+#pragma omp simd
+            for (int x = 0; x < LANES; x++) {
+                a0[x] += q0 * v0[x];
+                a1[x] += q1 * v1[x];
+                b0[x] += r0 * v0[x];
+                b1[x] += r1 * v1[x];
+            }
+        }
+        if (t < cnt) {
+            const float *restrict v0 = v + (size_t)t * Dh;
+            float q0 = p0[t], r0 = p1[t];
+#pragma omp simd
+            for (int x = 0; x < LANES; x++) {
+                a0[x] += q0 * v0[x];
+                b0[x] += r0 * v0[x];
+            }
+        }
+#pragma omp simd
+        for (int x = 0; x < LANES; x++) {
+            o0[d0 + x] += a0[x] + a1[x];
+            o1[d0 + x] += b0[x] + b1[x];
+        }
+    }
+}
+
+/* o (G, Dh) += the G queries' weighted values of one block's cnt slots vb (cnt, Dh),
+ * probabilities p_g at p + g ld: in pairs (g, g + 1), the last alone when G is odd. */
+static void block_values_g(float *o, const float *p, size_t ld, int G, const float *vb, int cnt,
+                           int Dh) {
+    int g = 0;
+    for (; g + 2 <= G; g += 2)
+        block_values2(o + (size_t)g * Dh, o + (size_t)(g + 1) * Dh, p + (size_t)g * ld,
+                      p + (size_t)(g + 1) * ld, vb, cnt, Dh);
+    if (g < G)
+        block_values(o + (size_t)g * Dh, p + (size_t)g * ld, vb, cnt, Dh);
+}
+
+/* o (G, Dh) += the values of keys lo .. lo + n - 1 of kv head kvh, weighted by the
+ * probabilities p (G, n), block by block from block b0 on (keys of earlier blocks are
+ * skipped). */
+static void values(float *o, const float *p, int G, const kv_cache_t *c, int l, const kv_seq_t *seq,
+                   int kvh, int lo, int n, int b0) {
+    int Dh = c->Dh, BS = c->block_tokens;
+    for (int j = lo > b0 * BS ? lo : b0 * BS; j < lo + n;) {
+        int b = j / BS, off = j % BS;
+        int cnt = BS - off < lo + n - j ? BS - off : lo + n - j;
+        const float *vb = kv_v_block(c, l, seq->blocks[b]) + ((size_t)kvh * BS + off) * Dh;
+        block_values_g(o, p + (j - lo), (size_t)n, G, vb, cnt, Dh);
         j += cnt;
     }
-    for (int x = 0; x < w; x++)
-        o[d0 + x] = (a0[x] + a1[x]) + (a2[x] + a3[x]);
+}
+
+/* Rows r0 .. r1-1 that hold the same first S blocks (full and inside every row's
+ * range), kv head kvh. The shared blocks' keys and values are read once for all the
+ * rows' queries; each row's arithmetic is the same as on its own. s: scratch. */
+static void group_task(float *out, const float *q, const kv_cache_t *c, int l,
+                       const kv_seq_t *const *seqs, const int32_t *pos, int r0, int r1, int S,
+                       int H, int kvh, float scale, int window) {
+    int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
+    size_t sq = (size_t)H * (size_t)Dh, tot = 0;
+    for (int i = r0; i < r1; i++)
+        tot += (size_t)G * (size_t)(pos[i] + 1);
+    /* scores, then (G, BS) */
+    float *s = cpu_scratch_floats(ATTN_SCRATCH_SLOT, tot + (size_t)G * BS);
+    float *acc = s + tot;
+    /* scores: shared blocks for all rows, then each row's own */
+    for (int b = 0; b < S; b++) {
+        const float *kt = kv_k_block(c, l, seqs[r0]->blocks[b]) + (size_t)kvh * Dh * BS;
+        float *si = s;
+        for (int i = r0; i < r1; i++) {
+            int n = pos[i] + 1;
+            const float *qi = q + (size_t)i * sq + (size_t)kvh * G * Dh;
+            block_dots_g(acc, qi, (size_t)Dh, G, kt, Dh, BS);
+            for (int g = 0; g < G; g++) {
+                float *sg = si + (size_t)g * n + (size_t)b * BS;
+                for (int t = 0; t < BS; t++)
+                    sg[t] = scale * acc[(size_t)g * BS + t];
+            }
+            si += (size_t)G * n;
+        }
+    }
+    float *si = s;
+    for (int i = r0; i < r1; i++) {
+        int lo = (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
+        int n = pos[i] - lo + 1, from = S * BS; /* S > 0 only when lo is 0 */
+        int j0 = from > lo ? from : lo;
+        const float *qi = q + (size_t)i * sq + (size_t)kvh * G * Dh;
+        if (j0 < lo + n)
+            scores(si + (j0 - lo), (size_t)n, qi, G, (size_t)Dh, c, l, seqs[i], kvh, j0,
+                   lo + n - j0, scale, acc);
+        for (int g = 0; g < G; g++)
+            softmax_row(si + (size_t)g * n, n);
+        si += (size_t)G * (pos[i] - lo + 1);
+    }
+    /* values: shared blocks for all rows, then each row's own */
+    for (int i = r0; i < r1; i++)
+        memset(out + (size_t)i * sq + (size_t)kvh * G * Dh, 0, sizeof(float) * (size_t)G * Dh);
+    for (int b = 0; b < S; b++) {
+        const float *vb = kv_v_block(c, l, seqs[r0]->blocks[b]) + (size_t)kvh * BS * Dh;
+        si = s;
+        for (int i = r0; i < r1; i++) {
+            int n = pos[i] + 1;
+            float *oi = out + (size_t)i * sq + (size_t)kvh * G * Dh;
+            block_values_g(oi, si + (size_t)b * BS, (size_t)n, G, vb, BS, Dh);
+            si += (size_t)G * n;
+        }
+    }
+    si = s;
+    for (int i = r0; i < r1; i++) {
+        int lo = (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
+        int n = pos[i] - lo + 1;
+        values(out + (size_t)i * sq + (size_t)kvh * G * Dh, si, G, c, l, seqs[i], kvh, lo, n, S);
+        si += (size_t)G * n;
+    }
+}
+
+/* The leading blocks rows r0 .. r1-1 all hold, full and inside every row's range. */
+static int shared_blocks(const kv_cache_t *c, const kv_seq_t *const *seqs, const int32_t *pos,
+                         int r0, int r1, int window) {
+    if (r1 - r0 < 2 || window > 0)
+        return 0;
+    int S = seqs[r0]->n_blocks;
+    for (int i = r0; i < r1; i++) {
+        int full = (pos[i] + 1) / c->block_tokens;
+        S = full < S ? full : S;
+        for (int b = 0; b < S; b++)
+            if (seqs[i]->blocks[b] != seqs[r0]->blocks[b])
+                S = b;
+    }
+    return S;
 }
 
 void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
                          const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
                          int window) {
-    int Hkv = c->Hkv, Dh = c->Dh, BS = c->block_tokens;
+    int Hkv = c->Hkv;
     MO_ASSERT(H > 0 && H % Hkv == 0 && window >= 0 && l >= 0 && l < c->L);
-    int G = H / Hkv;
-    size_t sq = (size_t)H * (size_t)Dh;
     size_t work = 0;
-    for (int i = 0; i < N; i++)
+    for (int i = 0; i < N; i++) {
+        MO_ASSERT(pos[i] >= 0 && pos[i] < seqs[i]->len);
         work += (size_t)(pos[i] + 1) * (size_t)H;
-    int tasks = N * Hkv;
-#pragma omp parallel for schedule(dynamic, 4) if (work > PAR_MIN)
+    }
+    /* Groups: runs of adjacent rows whose sequences start with the same block (the
+     * samples of one prompt), at most GROUP_MAX rows. start (n_groups + 1). */
+    int32_t *start = (int32_t *)cpu_scratch_floats(2, (size_t)N + 1);
+    int ng = 0;
+    for (int i = 0; i < N; i++) {
+        int same = i > 0 && i - start[ng - 1] < GROUP_MAX && seqs[i]->n_blocks > 0 &&
+                   seqs[i - 1]->n_blocks > 0 && seqs[i]->blocks[0] == seqs[i - 1]->blocks[0];
+        if (!same)
+            start[ng++] = i;
+    }
+    start[ng] = N;
+    int tasks = ng * Hkv;
+#pragma omp parallel for schedule(dynamic, 1) if (work > PAR_MIN)
     for (int t = 0; t < tasks; t++) {
-        int i = t / Hkv, kvh = t % Hkv;
-        const kv_seq_t *seq = seqs[i];
-        MO_ASSERT(pos[i] >= 0 && pos[i] < seq->len);
-        int lo = (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
-        int n = pos[i] - lo + 1;
-        /* (G, n) scores, then (BS) accumulators */
-        float *s = cpu_scratch_floats(ATTN_SCRATCH_SLOT, (size_t)G * (size_t)n + (size_t)BS);
-        const float *qi = q + (size_t)i * sq + (size_t)kvh * (size_t)G * (size_t)Dh;
-        scores(s, qi, G, (size_t)Dh, c, l, seq, kvh, lo, n, scale, s + (size_t)G * n);
-        float *oi = out + (size_t)i * sq + (size_t)kvh * (size_t)G * (size_t)Dh;
-        for (int g = 0; g < G; g++) {
-            float *pg = s + (size_t)g * (size_t)n;
-            softmax_row(pg, n);
-            for (int d0 = 0; d0 < Dh; d0 += LANES)
-                values_span(oi + (size_t)g * Dh, pg, c, l, seq, kvh, lo, n, d0,
-                            Dh - d0 < LANES ? Dh - d0 : LANES);
-        }
+        int gi = t / Hkv, kvh = t % Hkv;
+        int r0 = start[gi], r1 = start[gi + 1];
+        int S = shared_blocks(c, seqs, pos, r0, r1, window);
+        group_task(out, q, c, l, seqs, pos, r0, r1, S, H, kvh, scale, window);
     }
 }

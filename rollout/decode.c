@@ -4,7 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/cpu/cpu_kernels.h"
 #include "core/status.h"
+#include "rollout/amx_matmul.h"
 #include "rollout/attn_decode.h"
 
 #define ALLOC(ptr, ar, n)                                                                          \
@@ -53,12 +55,20 @@ static void base_layer(rl_layer_t *r, const model_layer_t *ly, int E) {
 
 int rl_weights_init(rl_weights_t *w, const model_t *m) {
     memset(w, 0, sizeof *w);
+    w->k = *m->k;
+    if (m->k->matmul_forward == cpu_matmul_forward && amx_matmul_available())
+        w->k.matmul_forward = amx_matmul_forward;
     w->L = m->L;
     w->layers = calloc((size_t)m->L, sizeof *w->layers);
     if (!w->layers)
         return mo_errorf(MO_ENOMEM, "rollout: out of memory for %d layers", m->L);
     rl_weights_bind(w, m);
     return MO_OK;
+}
+
+void rl_weights_model(const rl_weights_t *w, const model_t *m, model_t *out) {
+    *out = *m;
+    out->k = &w->k;
 }
 
 void rl_weights_bind(rl_weights_t *w, const model_t *m) {
@@ -336,10 +346,13 @@ static int layer(const model_t *m, arena_t *ar, float *x, const rl_layer_t *r, i
     return MO_OK;
 }
 
-int decode_forward(const model_t *m, const rl_weights_t *w, kv_cache_t *c, arena_t *ar,
+int decode_forward(const model_t *m0, const rl_weights_t *w, kv_cache_t *c, arena_t *ar,
                    const decode_batch_t *b, float *x) {
     if (b->N == 0)
         return MO_OK;
+    model_t mk; /* the model on the engine's kernels */
+    rl_weights_model(w, m0, &mk);
+    const model_t *m = &mk;
     for (int i = 0; i < b->N; i++)
         MO_ASSERT(b->tokens[i] >= 0 && b->tokens[i] < m->V && b->pos[i] < b->seqs[i]->len);
     m->k->embedding_forward(x, b->tokens, &m->embed, b->N, m->D);

@@ -49,6 +49,10 @@ typedef struct rl_layer {
 /* The layers of a model: views into the model's weights and bound adapter (call again
  * after model_set_adapter). */
 typedef struct rl_weights {
+    /* The kernels the engine runs: the model's, except that on the CPU backend, where
+     * the CPU has AMX-BF16, products with bf16 weights run on the tiles
+     * (rollout/amx_matmul.h: f32-exact activations, f32 accumulation). */
+    kernels_t k;
     int L;
     rl_layer_t *layers; /* (L) */
     /* Merged mode: one writable copy per adapted projection, in the model's module
@@ -60,6 +64,8 @@ typedef struct rl_weights {
 } rl_weights_t;
 
 int rl_weights_init(rl_weights_t *w, const model_t *m);
+/* *out = *m running on w's kernels (w->k): for model functions the engine calls. */
+void rl_weights_model(const rl_weights_t *w, const model_t *m, model_t *out);
 /* Unmerged: re-reads the model's views and bound adapters. */
 void rl_weights_bind(rl_weights_t *w, const model_t *m);
 /* Merged: the weights become base + scale B A for every module ad adapts (copies of the

@@ -747,6 +747,8 @@ static int add_active(engine_t *e, eng_sample_t *s) {
 static int sample_rows(engine_t *e, const float *xs, const int *rows, eng_sample_t **smp,
                        int n_jobs) {
     const model_t *m = e->m;
+    model_t mk; /* the model on the engine's kernels */
+    rl_weights_model(&e->w, m, &mk);
     int V = m->V, D = m->D;
     int chunk = (1 << 22) / V > 0 ? (1 << 22) / V : 1;
     int32_t *tok;
@@ -763,7 +765,7 @@ static int sample_rows(engine_t *e, const float *xs, const int *rows, eng_sample
     int j0 = 0;
     for (int r0 = 0; r0 < R; r0 += chunk) {
         int nr = R - r0 < chunk ? R - r0 : chunk;
-        model_logits(m, logits, normed, rstd, xs + (size_t)r0 * D, nr);
+        model_logits(&mk, logits, normed, rstd, xs + (size_t)r0 * D, nr);
         int j1 = j0;
         while (j1 < n_jobs && rows[j1] < r0 + nr)
             j1++;

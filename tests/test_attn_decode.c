@@ -144,12 +144,50 @@ static void test_forked_sequence(void) {
     fx_free(&f);
 }
 
+/* Forks of a sequence next to it in a batch (their full blocks shared, read once for
+ * all of them) give the bits each row gives on its own, and the reference. */
+static void test_shared_prefix_batch(void) {
+    fx_t f;
+    fx_init(&f, 0);
+    enum { NF = 3, NR = NF + 2 };
+    kv_seq_t forks[NF];
+    memset(forks, 0, sizeof forks);
+    int64_t budget = NF;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_reserve(&f.c, budget), 1);
+    for (int k = 0; k < NF; k++)
+        CU_ASSERT_EQUAL_FATAL(kv_seq_fork(&f.c, &forks[k], &f.s[2], &budget), 0);
+    const kv_seq_t *seqs[NR] = {&f.s[1], &f.s[2], &forks[0], &forks[1], &forks[2]};
+    /* rows: last token of sequence 1; then sequence 2 and its forks at positions 21, 21,
+     * 19 and 8 (the last two inside the shared blocks), with queries of other rows */
+    int32_t pos[NR] = {8, 21, 21, 19, 8};
+    int qrow[NR] = {f.cu[2] - 1, f.cu[3] - 1, 3, f.cu[2] + 19, f.cu[2] + 8};
+    float q[NR * H * DH], out[NR * H * DH], alone[H * DH];
+    for (int i = 0; i < NR; i++)
+        memcpy(q + i * H * DH, f.q + (size_t)qrow[i] * H * DH, sizeof(float) * H * DH);
+    tu_poison(out, NR * H * DH);
+    attn_decode_forward(out, q, &f.c, 1, seqs, pos, NR, H, 0.35f, 0);
+    for (int i = 0; i < NR; i++) {
+        tu_poison(alone, H * DH);
+        attn_decode_forward(alone, q + i * H * DH, &f.c, 1, seqs + i, pos + i, 1, H, 0.35f, 0);
+        CU_ASSERT(memcmp(alone, out + i * H * DH, sizeof alone) == 0);
+    }
+    TU_ASSERT_CLOSE(tu_rel_err_ff(out + H * DH, f.ref + (size_t)qrow[1] * H * DH, H * DH, 1.0),
+                    2e-6, "sequence 2 among its forks");
+    TU_ASSERT_CLOSE(
+        tu_rel_err_ff(out + 4 * H * DH, f.ref + (size_t)(f.cu[2] + 8) * H * DH, H * DH, 1.0), 2e-6,
+        "fork at position 8");
+    for (int k = 0; k < NF; k++)
+        kv_seq_release(&f.c, &forks[k]);
+    fx_free(&f);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"all rows vs packed causal attention (GQA)", test_all_rows},
         {"sliding windows", test_window},
         {"last rows, shuffled, 1 vs 2 threads", test_last_rows_threads},
         {"forked sequence", test_forked_sequence},
+        {"forks batched over shared blocks", test_shared_prefix_batch},
         CU_TEST_INFO_NULL,
     };
     return tu_main("attn_decode", tests);
