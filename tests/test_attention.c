@@ -40,6 +40,10 @@ static const acase_t BIG_CASES[] = {
     {"mqa 100 window 33 Dh 67", 1, {0, 100}, 2, 1, 67, 33, 0.12f},
     {"mha 64/33 window 32", 2, {0, 64, 97}, 4, 4, 8, 32, 0.35f},
     {"mha 1/1/1", 3, {0, 1, 2, 3}, 2, 2, 6, 0, 0.4f},
+    /* Whole micro-tiles, query chunks of the dk/dv pass, bands cut by a window. */
+    {"gqa 300/45 Dh 64", 2, {0, 300, 345}, 4, 2, 64, 0, 0.125f},
+    {"gqa 300/45 Dh 64 window 150", 2, {0, 300, 345}, 4, 2, 64, 150, 0.125f},
+    {"mqa 261 Dh 32 window 17", 1, {0, 261}, 3, 1, 32, 17, 0.2f},
 };
 
 static int ntok(const acase_t *c) {
