@@ -150,8 +150,8 @@ static void work_seeds(void) {
 
 static void trajectory_seeds(void) {
     msg_sample_t s[2] = {
-        {g_tok, g_lp, 3, g_route, 3, 2, 2, MSG_FINISH_STOP, 3, 3, "3"},
-        {g_tok, g_lp, 0, NULL, 0, 0, 0, MSG_FINISH_ABORT, 3, 4, ""},
+        {g_tok, g_lp, 3, g_route, 3, 2, 2, MSG_FINISH_STOP, 3, 3, "3", NULL},
+        {g_tok, g_lp, 0, NULL, 0, 0, 0, MSG_FINISH_ABORT, 3, 4, "", NULL},
     };
     msg_t m;
     msg_init(&m);

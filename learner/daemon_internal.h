@@ -116,6 +116,9 @@ typedef struct ld {
     metrics_t *m;
     ids_t k;
     void *ctx, *control, *work, *sink, *weights;
+    zsock_ctx_t zc; /* the context (zc.ctx == ctx), its options and ZAP allow-list */
+    uint64_t refused_seen; /* CURVE clients refused, as last logged */
+    int refused_id;        /* their counter */
     loop_worker_t *w;
     trainer_t *t; /* the worker thread's while it runs */
     int V, M, K, E;

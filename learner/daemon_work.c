@@ -408,14 +408,16 @@ static int wire_layout(const msg_sample_t *x, uint32_t P, int M, int K) {
 }
 
 /* Copies sample x's routing into row (T, M, K): row i holds the experts of the step that
- * read token i, which is wire row base + min(i + 1, T - 1) (base P - 1 with prompt rows,
- * 0 without). The last token's own read is not on the wire: its row repeats the one
- * before (it only affects that position's output, which nothing is trained on). */
+ * read token i, which is wire row base + i + 1 (base P - 1 with prompt rows, 0 without)
+ * for i < T - 1, and routing_last for the last token. A sender without routing_last
+ * leaves the last token's read off the wire: its row then repeats the one before. */
 static void copy_routing(uint16_t *dst, const msg_sample_t *x, uint32_t P, int layout, size_t row) {
     uint32_t T = x->n_tokens, base = layout == 2 ? P - 1 : 0;
     for (uint32_t i = 0; i < T; i++) {
-        uint32_t src = base + (i + 1 < T - 1 ? i + 1 : T - 1);
-        memcpy(dst + (size_t)i * row, x->routing + (size_t)src * row, sizeof *dst * row);
+        const uint16_t *src = i == T - 1 && x->routing_last
+                                  ? x->routing_last
+                                  : x->routing + (size_t)(base + (i + 1 < T - 1 ? i + 1 : T - 1)) * row;
+        memcpy(dst + (size_t)i * row, src, sizeof *dst * row);
     }
 }
 

@@ -49,13 +49,19 @@ typedef struct rd {
     loop_t *loop;
     metrics_t *m;
     ids_t k;
-    void *ctx, *server, *control;
+    zsock_ctx_t zc;
+    void *server, *control;
+    uint64_t refused_seen; /* CURVE clients refused, as last logged */
     char endpoint[512];
     loop_worker_t *w;
     reward_holder_t *holder;
     bool welcomed;
     uint64_t last_hello_ms;
     int heartbeat_ms;
+    loop_learner_watch_t lw; /* the learner's liveness */
+    int fail_rc;             /* the loop stopped on an error (the learner gone) */
+    char fail_msg[512];
+    int refused_id;          /* counter of CURVE clients refused */
     loop_timer_t *hb, *drain_timer;
     int inflight;
     bool stopping, hard_exit;
@@ -263,6 +269,16 @@ static void send_heartbeat(rd_t *d) {
 
 static void on_heartbeat_timer(void *arg) {
     rd_t *d = arg;
+    uint64_t now = loop_now_ms(d->loop);
+    if (!d->fail_rc && loop_learner_check(&d->lw, now, d->cfg->transport.control) < 0) {
+        d->fail_rc = MO_ESTATE;
+        snprintf(d->fail_msg, sizeof d->fail_msg, "%s", mo_last_error());
+        metrics_log(d->m, "%s", d->fail_msg);
+        d->stopping = true;
+        loop_stop(d->loop);
+        return;
+    }
+    loop_note_refused(d->m, d->refused_id, &d->zc, &d->refused_seen);
     if (!d->welcomed) {
         if (loop_now_ms(d->loop) >= d->last_hello_ms + HELLO_RETRY_MS)
             send_hello(d);
@@ -342,8 +358,12 @@ static void send_error(rd_t *d, void *sock, const zsock_peer_t *to, int code, co
 }
 
 static void on_control_msg(rd_t *d, msg_t *m) {
+    loop_learner_heard(&d->lw, loop_now_ms(d->loop), m->type == MSG_WELCOME);
     switch (m->type) {
+    case MSG_HEARTBEAT: break; /* the learner's answer: it is alive */
     case MSG_WELCOME:
+        if (d->cfg->transport.learner_timeout_ms == 0) /* 10 of the learner's intervals */
+            d->lw.timeout_ms = 10u * (uint64_t)m->welcome.heartbeat_ms;
         if (!d->welcomed)
             metrics_log(d->m, "registered with the learner (job %s, policy version %llu)",
                         m->welcome.job, (unsigned long long)m->welcome.policy_version);
@@ -498,21 +518,17 @@ static void register_metrics(rd_t *d) {
     d->k.score_ms = metrics_gauge(m, "moerl_reward_score_ms", "Wall time of the last group.");
     d->k.inflight = metrics_gauge(m, "moerl_reward_inflight", "Requests being scored.");
     d->k.reward_mean = metrics_gauge(m, "moerl_reward_last_mean", "Mean reward of the last group.");
+    d->refused_id = metrics_counter(m, "moerl_transport_refused_clients_total",
+                                    "CURVE clients refused by transport.curve_allowed_clients.");
     metrics_set(m, d->k.up, 1);
 }
 
 static int open_sockets(rd_t *d) {
     const config_transport_t *t = &d->cfg->transport;
-    zsock_opts_t so;
-    TRY(zsock_opts_from_config(&so, t));
-    d->ctx = zmq_ctx_new();
-    if (!d->ctx)
-        return mo_errorf(MO_EIO, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
     TRY(zsock_endpoint_nth(t->reward, d->o->index, d->endpoint, sizeof d->endpoint));
-    TRY(zsock_open(d->ctx, ZS_REWARD_SERVER, t, &so, d->o->index, &d->server));
-    so.routing_id = d->id;
-    TRY(zsock_open(d->ctx, ZS_WORKER_CONTROL, t, &so, 0, &d->control));
-    return MO_OK;
+    TRY(zsock_ctx_open(&d->zc, t, d->id, true));
+    TRY(zsock_ctx_socket(&d->zc, ZS_REWARD_SERVER, d->o->index, &d->server));
+    return zsock_ctx_socket(&d->zc, ZS_WORKER_CONTROL, 0, &d->control);
 }
 
 static int start_metrics(rd_t *d) {
@@ -559,6 +575,7 @@ static int setup(rd_t *d) {
     TRY(loop_watch_socket(d->loop, d->control, on_control, d));
     loop_worker_opts_t wo = {body, on_result, NULL, job_free, job_free, d};
     TRY(loop_worker_start(d->loop, &wo, &d->w));
+    loop_learner_watch_init(&d->lw, &c->transport);
     restart_heartbeats(d, c->transport.heartbeat_ms);
     TRY(loop_timer_start(d->loop, REWARD_METRICS_MS, REWARD_METRICS_MS, on_metrics_timer, d, NULL));
     send_hello(d);
@@ -567,10 +584,7 @@ static int setup(rd_t *d) {
 
 static void teardown(rd_t *d) {
     loop_destroy(&d->loop);
-    zsock_close(&d->server);
-    zsock_close(&d->control);
-    if (d->ctx)
-        zmq_ctx_term(d->ctx);
+    zsock_ctx_close(&d->zc);
     reward_holder_destroy(&d->holder);
     metrics_destroy(&d->m);
 }
@@ -601,6 +615,8 @@ int reward_daemon_run(const reward_daemon_opts_t *o) {
     if (rc == MO_OK) {
         notify_ready(&d);
         rc = loop_run(d.loop);
+        if (rc == MO_OK && d.fail_rc < 0)
+            rc = mo_errorf(d.fail_rc, "%s", d.fail_msg);
     }
     if (d.m && d.loop) {
         metrics_set(d.m, d.k.up, 0);

@@ -88,7 +88,8 @@ typedef struct ro {
     loop_t *loop;
     metrics_t *m;
     ids_t k;
-    void *ctx, *control, *work, *sink, *weights, *reward;
+    zsock_ctx_t zc;
+    void *control, *work, *sink, *weights, *reward;
     loop_worker_t *w;
     model_t *model;
     tokenizer_t *tok;
@@ -105,6 +106,9 @@ typedef struct ro {
     bool welcomed;
     uint64_t last_hello_ms, last_hb_ms;
     int heartbeat_ms;
+    loop_learner_watch_t lw; /* the learner's liveness */
+    int fail_rc;             /* the loop stopped on an error (the learner gone) */
+    char fail_msg[512];
     item_t *items; /* every item held, newest first */
     int n_items, n_queued, cap;
     int last_req_credits;
@@ -676,8 +680,8 @@ static void send_score_request(ro_t *d, item_t *it) {
 
 /* The wire routing of sample s (docs/protocol.md): with prompt routing R = P + T - 1
  * rows (the prompt, then every generated token but the last); without, R = T rows (row
- * j: the step that sampled token j, row 0 the last prompt position). NULL when the
- * engine recorded none. */
+ * j: the step that sampled token j, row 0 the last prompt position). The read of the last
+ * token goes separately as routing_last. NULL when the engine recorded none. */
 static uint16_t *wire_routing(const gen_group_t *g, const gen_sample_t *s, bool with_prompt,
                               uint32_t *rows) {
     int P = g->prompt_len, T = s->n_tokens;
@@ -716,6 +720,8 @@ static int encode_group(ro_t *d, item_t *it, const msg_score_reply_t *sr) {
         x->routing = routes[i];
         x->routing_layers = (uint32_t)g->M;
         x->routing_k = (uint32_t)g->K;
+        if (x->routing) /* the engine read the last token once more for its experts */
+            x->routing_last = s->routing + (size_t)(s->n_tokens - 1) * (size_t)(g->M * g->K);
         x->finish = wire_finish(s->finish);
         x->adapter_version_first = (uint64_t)(s->version_first > 0 ? s->version_first : 0);
         x->adapter_version_last = (uint64_t)(s->version_last > 0 ? s->version_last : 0);
@@ -898,6 +904,8 @@ static void on_welcome(ro_t *d, const msg_welcome_t *w) {
     if ((int)w->heartbeat_ms != d->heartbeat_ms) {
         d->heartbeat_ms = (int)w->heartbeat_ms;
     }
+    if (d->cfg->transport.learner_timeout_ms == 0) /* 10 of the learner's intervals */
+        d->lw.timeout_ms = 10u * (uint64_t)w->heartbeat_ms;
     send_heartbeat(d);
     maybe_snapshot(d, true);
     want_work(d);
@@ -916,8 +924,10 @@ static void on_control(void *sock, void *arg) {
         msg_free(&m);
         return;
     }
+    loop_learner_heard(&d->lw, loop_now_ms(d->loop), m.type == MSG_WELCOME);
     switch (m.type) {
     case MSG_WELCOME: on_welcome(d, &m.welcome); break;
+    case MSG_HEARTBEAT: break; /* the learner's answer: it is alive */
     case MSG_WEIGHTS_CHUNK: on_chunk(d, &m.weights_chunk, "learner"); break;
     case MSG_CTL_REQUEST:
         if (m.ctl_request.command == MSG_CTL_STOP)
@@ -1084,6 +1094,14 @@ static void on_tick(void *arg) {
     } else if (now >= d->last_hb_ms + (uint64_t)d->heartbeat_ms) {
         send_heartbeat(d);
     }
+    if (!d->fail_rc && loop_learner_check(&d->lw, now, d->cfg->transport.control) < 0) {
+        d->fail_rc = MO_ESTATE;
+        snprintf(d->fail_msg, sizeof d->fail_msg, "%s", mo_last_error());
+        metrics_log(d->m, "%s", d->fail_msg);
+        d->stopping = true;
+        loop_stop(d->loop);
+        return;
+    }
     retry_items(d);
     maybe_snapshot(d, false);
     want_work(d);
@@ -1158,20 +1176,13 @@ static void register_metrics(ro_t *d) {
 }
 
 static int open_sockets(ro_t *d) {
-    const config_transport_t *t = &d->cfg->transport;
-    zsock_opts_t so;
-    TRY(zsock_opts_from_config(&so, t));
-    d->ctx = zmq_ctx_new();
-    if (!d->ctx)
-        return mo_errorf(MO_EIO, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
-    so.routing_id = d->id;
-    TRY(zsock_open(d->ctx, ZS_WORKER_CONTROL, t, &so, 0, &d->control));
-    TRY(zsock_open(d->ctx, ZS_ROLLOUT_WORK, t, &so, 0, &d->work));
-    TRY(zsock_open(d->ctx, ZS_ROLLOUT_REWARD, t, &so, d->cfg->reward.workers, &d->reward));
-    so.routing_id = NULL;
-    TRY(zsock_open(d->ctx, ZS_ROLLOUT_SINK, t, &so, 0, &d->sink));
-    TRY(zsock_open(d->ctx, ZS_ROLLOUT_WEIGHTS, t, &so, 0, &d->weights));
-    return MO_OK;
+    zsock_ctx_t *c = &d->zc;
+    TRY(zsock_ctx_open(c, &d->cfg->transport, d->id, false)); /* binds nothing */
+    TRY(zsock_ctx_socket(c, ZS_WORKER_CONTROL, 0, &d->control));
+    TRY(zsock_ctx_socket(c, ZS_ROLLOUT_WORK, 0, &d->work));
+    TRY(zsock_ctx_socket(c, ZS_ROLLOUT_REWARD, d->cfg->reward.workers, &d->reward));
+    TRY(zsock_ctx_socket(c, ZS_ROLLOUT_SINK, 0, &d->sink));
+    return zsock_ctx_socket(c, ZS_ROLLOUT_WEIGHTS, 0, &d->weights);
 }
 
 static int start_metrics(ro_t *d) {
@@ -1227,6 +1238,7 @@ static int setup(ro_t *d) {
     TRY(open_sockets(d));
     TRY(start_metrics(d));
     d->heartbeat_ms = c->transport.heartbeat_ms;
+    loop_learner_watch_init(&d->lw, &c->transport);
     d->cap = c->rollout.max_batch / c->rollout.group_size;
     TRY(loop_new(&d->loop));
     TRY(loop_on_signals(d->loop, on_signal, d));
@@ -1248,13 +1260,7 @@ static void teardown(ro_t *d) {
     loop_destroy(&d->loop); /* joins the worker thread */
     while (d->items)
         item_done(d, d->items);
-    zsock_close(&d->control);
-    zsock_close(&d->work);
-    zsock_close(&d->reward);
-    zsock_close(&d->sink);
-    zsock_close(&d->weights);
-    if (d->ctx)
-        zmq_ctx_term(d->ctx);
+    zsock_ctx_close(&d->zc);
     engine_destroy(&d->e);
     lora_adapter_destroy(&d->bound);
     for (int i = 0; i < d->n_spares; i++)
@@ -1295,6 +1301,8 @@ int rollout_daemon_run(const rollout_daemon_opts_t *o) {
     if (rc == MO_OK) {
         notify_ready(d);
         rc = loop_run(d->loop);
+        if (rc == MO_OK && d->fail_rc < 0)
+            rc = mo_errorf(d->fail_rc, "%s", d->fail_msg);
     }
     if (d->m && d->loop) {
         tokens_per_s(d);

@@ -125,23 +125,43 @@ static inline int it_free_ports(int n) {
     return -1;
 }
 
-/* The job's YAML: the base settings, then `extra` (more sections or keys given as
- * whole sections; a later key wins in config_load). */
-static inline void it_write_config(it_job_t *j, const char *path, const char *extra) {
+/* What the base sections of a job's YAML may vary. */
+typedef struct it_base {
+    int heartbeat_ms, lease_timeout_ms; /* transport */
+    const char *transport_more;         /* more transport keys, "  key: value\n" lines */
+    int routing_replay;                 /* model.routing_replay */
+} it_base_t;
+
+static inline it_base_t it_base_default(void) {
+    return (it_base_t){200, 5000, "", 1};
+}
+
+/* The job's YAML: the base settings b, then `extra` (more sections, each at most once: a
+ * section may not repeat). */
+static inline void it_write_config_ex(it_job_t *j, const char *path, const char *extra,
+                                      const it_base_t *b) {
     FILE *f = fopen(path, "w");
     CU_ASSERT_FATAL(f != NULL);
     fprintf(f,
             "run:\n  name: it\n  dir: %s\n  seed: 11\n  threads: 1\n"
-            "model:\n  path: %s\n  max_seq_len: 48\n  routing_replay: true\n"
+            "model:\n  path: %s\n  max_seq_len: 48\n  routing_replay: %s\n"
             "lora:\n  rank: 4\n  alpha: 8\n  targets: [q_proj, k_proj, v_proj, o_proj, experts]\n"
             "transport:\n  control: tcp://127.0.0.1:%d\n  work: tcp://127.0.0.1:%d\n"
             "  trajectories: tcp://127.0.0.1:%d\n  weights: tcp://127.0.0.1:%d\n"
-            "  reward: tcp://127.0.0.1:%d\n  heartbeat_ms: 200\n  lease_timeout_ms: 5000\n"
-            "  max_msg_bytes: 1048576\n"
+            "  reward: tcp://127.0.0.1:%d\n  heartbeat_ms: %d\n  lease_timeout_ms: %d\n"
+            "  max_msg_bytes: 1048576\n%s"
             "data:\n  task: arith\n  eval_size: 8\n",
-            j->run, j->model, j->port, j->port + 1, j->port + 2, j->port + 3, j->port + 4);
+            j->run, j->model, b->routing_replay ? "true" : "false", j->port, j->port + 1,
+            j->port + 2, j->port + 3, j->port + 4, b->heartbeat_ms, b->lease_timeout_ms,
+            b->transport_more ? b->transport_more : "");
     fputs(extra ? extra : "", f);
     fclose(f);
+}
+
+/* The job's YAML with the default base (heartbeat 200 ms, leases 5 s, routing replay). */
+static inline void it_write_config(it_job_t *j, const char *path, const char *extra) {
+    it_base_t b = it_base_default();
+    it_write_config_ex(j, path, extra, &b);
 }
 
 /* The rollout, reward and learner sections of a test job. */
@@ -187,6 +207,12 @@ static inline void it_open(it_job_t *j, const char *extra) {
     j->port = it_free_ports(8);
     CU_ASSERT_FATAL(j->port > 0);
     it_write_config(j, j->config, extra);
+}
+
+/* it_open with base settings b instead of the defaults. */
+static inline void it_open_ex(it_job_t *j, const char *extra, const it_base_t *b) {
+    it_open(j, extra);
+    it_write_config_ex(j, j->config, extra, b);
 }
 
 /* Starts argv (argv[0]: the program) with stdout and stderr appended to dir/<log>. */

@@ -15,7 +15,7 @@
 static void build(msg_type_t t, msg_t *m) {
     static const int32_t prompt[3] = {1, 2, 3}, toks[2] = {4, 5};
     static const float logp[2] = {-1.0f, -2.0f}, rewards[1] = {1.0f}, half[1] = {0.5f};
-    static const msg_sample_t sample = {toks, logp, 2, NULL, 0, 0, 0, MSG_FINISH_STOP, 0, 0, "ab"};
+    static const msg_sample_t sample = {toks, logp, 2, NULL, 0, 0, 0, MSG_FINISH_STOP, 0, 0, "ab", NULL};
     static const msg_lease_item_t item = {1, "p1", "1+1=", NULL, 0, "2", {NULL, 0}, 4};
     static const msg_score_sample_t ss = {"ab", 2, MSG_FINISH_STOP};
     static const msg_tensor_entry_t entry = {"w", DT_F32, 1, {2}, 0};

@@ -112,12 +112,15 @@ static void build(msg_t *m, msg_type_t t, int full) {
                                 (msg_finish_t)(s % 3),
                                 16,
                                 17,
-                                s == 1 ? "" : "the answer is 5"};
+                                s == 1 ? "" : "the answer is 5",
+                                NULL};
             if (full) {
                 x->routing = g_route[s];
                 x->routing_rows = s == 1 ? P_TOK + g_ntok[s] - 1 : g_ntok[s];
                 x->routing_layers = L_MOE;
                 x->routing_k = K_TOP;
+                if (s == 0) /* the read of the last token, after the routing rows */
+                    x->routing_last = g_route[s] + (size_t)x->routing_rows * L_MOE * K_TOP;
             }
         }
         msg_trajectory_group_t *g = &m->trajectory_group;
@@ -476,8 +479,40 @@ static void test_optional_presence(void) {
     CU_ASSERT(g->rewards && g->rewards[1] == -0.5f && g->reward_version == 3);
     CU_ASSERT(g->samples[1].routing_rows == P_TOK + 6 - 1);
     CU_ASSERT(g->samples[1].routing[3] == g_route[1][3]);
+    CU_ASSERT_FATAL(g->samples[0].routing_last != NULL);
+    CU_ASSERT(g->samples[1].routing_last == NULL);
+    for (int i = 0; i < L_MOE * K_TOP; i++)
+        CU_ASSERT(g->samples[0].routing_last[i] ==
+                  g_route[0][(size_t)g->samples[0].routing_rows * L_MOE * K_TOP + (size_t)i]);
     CU_ASSERT(g->samples[2].n_tokens == 0 && g->samples[2].finish == MSG_FINISH_ABORT);
     CU_ASSERT(g->reward_details[0].n == 2 && g->reward_details[0].items[1].value == 0.5);
+    msg_free(&d);
+    msg_buf_free(&a);
+}
+
+/* routing_last: only with routing, and of routing's (L, K). */
+static void test_routing_last(void) {
+    msg_t m, d;
+    msg_buf_t a;
+    msg_buf_init(&a);
+    build(&m, MSG_TRAJECTORY_GROUP, 1);
+    msg_sample_t *x = (msg_sample_t *)&m.trajectory_group.samples[1];
+    x->routing_last = g_route[1];
+    x->routing = NULL;
+    CU_ASSERT(msg_encode(&m, &a) == MO_EINVAL);
+    CU_ASSERT(strstr(mo_last_error(), "samples[1].routing_last: sent without routing") != NULL);
+    /* an encoding with routing_last, then its routing dropped: the decoder refuses */
+    build(&m, MSG_TRAJECTORY_GROUP, 1);
+    CU_ASSERT_FATAL(msg_encode(&m, &a) == MO_OK);
+    static const char key[] = "\xa7routing\x83";
+    uint8_t *at = NULL;
+    for (size_t i = 0; i + sizeof key - 1 <= a.len && !at; i++)
+        if (memcmp(a.data + i, key, sizeof key - 1) == 0)
+            at = a.data + i;
+    CU_ASSERT_FATAL(at != NULL);
+    at[1] = 'X'; /* "routing" becomes "Xouting", an unknown key */
+    CU_ASSERT(msg_decode(&d, a.data, a.len, MSG_NONE) == MO_EMALFORMED);
+    CU_ASSERT(strstr(mo_last_error(), "samples[0].routing_last: sent without routing") != NULL);
     msg_free(&d);
     msg_buf_free(&a);
 }
@@ -1266,6 +1301,7 @@ int main(void) {
     CU_TestInfo tests[] = {
         {"round trip of every message, optional fields present and absent", test_roundtrip},
         {"optional fields absent and present", test_optional_presence},
+        {"routing_last needs routing", test_routing_last},
         {"every validation failure names its field", test_bad_fields},
         {"unknown fields ignored, nil is absent", test_forward_compat},
         {"malformed MessagePack bytes", test_bad_bytes},

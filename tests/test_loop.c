@@ -12,6 +12,7 @@
 
 #include "core/status.h"
 #include "tests/testutil.h"
+#include "transport/codec.h"
 #include "transport/loop.h"
 
 #define WATCHDOG_MS 30000 /* only reached when something is broken: fail, do not hang */
@@ -268,8 +269,46 @@ static void test_worker_teardown(void) {
     CU_ASSERT_EQUAL(ts.once, 0);
 }
 
+/* The learner watch: silent only once armed, the limit from the config or 10 beats. */
+static void test_learner_watch(void) {
+    config_transport_t t;
+    memset(&t, 0, sizeof t);
+    t.heartbeat_ms = 250;
+    loop_learner_watch_t w;
+    loop_learner_watch_init(&w, &t);
+    CU_ASSERT_EQUAL(w.timeout_ms, 2500);
+    t.learner_timeout_ms = 700;
+    loop_learner_watch_init(&w, &t);
+    CU_ASSERT_EQUAL(w.timeout_ms, 700);
+    /* not welcomed yet: waits without limit */
+    CU_ASSERT_EQUAL(loop_learner_check(&w, 1000000, "tcp://h:1"), MO_OK);
+    loop_learner_heard(&w, 5000, false); /* a message before the welcome arms nothing */
+    CU_ASSERT_EQUAL(loop_learner_check(&w, 9000, "tcp://h:1"), MO_OK);
+    loop_learner_heard(&w, 10000, true);
+    CU_ASSERT_EQUAL(loop_learner_check(&w, 10700, "tcp://h:1"), MO_OK);
+    CU_ASSERT_EQUAL(loop_learner_check(&w, 10701, "tcp://h:1"), MO_ESTATE);
+    CU_ASSERT(strstr(mo_last_error(), "the learner at tcp://h:1 is gone") != NULL);
+    CU_ASSERT(strstr(mo_last_error(), "701 ms (limit 700 ms") != NULL);
+    loop_learner_heard(&w, 10600, false); /* a heartbeat answer refreshes it */
+    CU_ASSERT_EQUAL(loop_learner_check(&w, 11200, "tcp://h:1"), MO_OK);
+    /* the learner's answer encodes as a heartbeat of role learner, refused in a hello */
+    msg_t m, d;
+    msg_buf_t b;
+    msg_buf_init(&b);
+    loop_learner_heartbeat(&m, 3, 4);
+    CU_ASSERT_FATAL(msg_encode(&m, &b) == MO_OK);
+    CU_ASSERT_FATAL(msg_decode(&d, b.data, b.len, MSG_HEARTBEAT) == MO_OK);
+    CU_ASSERT(d.heartbeat.role == MSG_ROLE_LEARNER && d.heartbeat.inflight == 3 &&
+              d.heartbeat.queue_depth == 4 && strcmp(d.heartbeat.worker_id, "learner") == 0);
+    msg_free(&d);
+    loop_hello(&m, MSG_ROLE_LEARNER, "learner");
+    CU_ASSERT(msg_encode(&m, &b) == MO_EINVAL);
+    msg_buf_free(&b);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
+        {"learner watch and the learner's heartbeat", test_learner_watch},
         {"socket backlog past the budget", test_socket_backlog},
         {"request/reply on one loop", test_socket_ping_pong},
         {"timers and SIGTERM", test_timers_signals},

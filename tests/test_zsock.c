@@ -3,7 +3,8 @@
  * ROUTER/DEALER exchange (with REQ-style delimiters and bad frames),
  * ZMQ_MAXMSGSIZE refusing an oversized message while the socket keeps
  * working, CURVE with generated keys (and a wrong server key failing), an
- * endpoint already in use, every socket role from a config, and
+ * endpoint already in use, every socket role from a config, a daemon's context
+ * (zsock_ctx_t: options, routing id, one close for every socket), and
  * `moerl keys gen`. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -503,6 +504,63 @@ static void test_roles(void) {
     config_free(&cfg);
 }
 
+/* ---- A daemon's context ---- */
+
+static void test_ctx(void) {
+    moerl_config_t cfg;
+    CU_ASSERT_FATAL(config_defaults(&cfg) == MO_OK);
+    char val[700];
+    snprintf(val, sizeof val, "ipc://%s/ctx-control", g_dir);
+    CU_ASSERT_FATAL(config_set(&cfg, "transport.control", val) == MO_OK);
+    snprintf(val, sizeof val, "ipc://%s/ctx-reward", g_dir);
+    CU_ASSERT_FATAL(config_set(&cfg, "transport.reward", val) == MO_OK);
+    CU_ASSERT_FATAL(config_set(&cfg, "transport.max_msg_bytes", "65536") == MO_OK);
+    zsock_ctx_t srv, wrk;
+    void *unopened = (void *)1;
+    memset(&srv, 0, sizeof srv);
+    CU_ASSERT(zsock_ctx_socket(&srv, ZS_LEARNER_CONTROL, 0, &unopened) == MO_ESTATE);
+    CU_ASSERT(unopened == NULL);
+    CU_ASSERT_FATAL(zsock_ctx_open(&srv, &cfg.transport, NULL, true) == MO_OK);
+    CU_ASSERT(srv.zap == NULL && srv.opts.max_msg_bytes == 65536 && srv.opts.routing_id == NULL);
+    CU_ASSERT_FATAL(zsock_ctx_open(&wrk, &cfg.transport, "reward-3", false) == MO_OK);
+    CU_ASSERT(wrk.opts.routing_id && strcmp(wrk.opts.routing_id, "reward-3") == 0);
+    void *control = NULL, *server = NULL, *dealer = NULL;
+    srv.opts.linger_ms = wrk.opts.linger_ms = 0;
+    CU_ASSERT_FATAL(zsock_ctx_socket(&srv, ZS_LEARNER_CONTROL, 0, &control) == MO_OK);
+    CU_ASSERT_FATAL(zsock_ctx_socket(&wrk, ZS_REWARD_SERVER, 0, &server) == MO_OK);
+    CU_ASSERT_FATAL(zsock_ctx_socket(&wrk, ZS_WORKER_CONTROL, 0, &dealer) == MO_OK);
+    /* the DEALER carries the worker's routing id */
+    msg_t m, got;
+    zsock_peer_t from;
+    hello(&m, "reward-3");
+    CU_ASSERT(zsock_send_msg(dealer, NULL, &m, 0) == 1);
+    CU_ASSERT_FATAL(recv_one(control, &from, &got, MSG_HELLO));
+    CU_ASSERT(from.len == 8 && memcmp(from.id, "reward-3", 8) == 0);
+    msg_free(&got);
+    /* at most ZSOCK_CTX_MAX_SOCKETS */
+    void *more[ZSOCK_CTX_MAX_SOCKETS];
+    int opened = 0;
+    for (int i = 0; i < ZSOCK_CTX_MAX_SOCKETS; i++)
+        if (zsock_ctx_socket(&wrk, ZS_ROLLOUT_SINK, 0, &more[i]) == MO_OK)
+            opened++;
+    CU_ASSERT_EQUAL(opened, ZSOCK_CTX_MAX_SOCKETS - 2);
+    CU_ASSERT(strstr(mo_last_error(), "more than 8 sockets") != NULL);
+    /* one call closes every socket (pointers cleared) and the context */
+    zsock_ctx_close(&wrk);
+    CU_ASSERT(server == NULL && dealer == NULL && more[0] == NULL && wrk.ctx == NULL);
+    zsock_ctx_close(&srv);
+    CU_ASSERT(control == NULL && srv.ctx == NULL);
+    zsock_ctx_close(&srv);
+    /* a bad routing id, and an allow-list without CURVE, leave nothing open */
+    char big[300];
+    memset(big, 'x', sizeof big - 1);
+    big[sizeof big - 1] = 0;
+    CU_ASSERT(zsock_ctx_open(&wrk, &cfg.transport, big, false) == MO_EINVAL && !wrk.ctx);
+    CU_ASSERT_FATAL(config_set(&cfg, "transport.curve_allowed_clients", g_dir) == MO_OK);
+    CU_ASSERT(zsock_ctx_open(&srv, &cfg.transport, NULL, true) == MO_ECONFIG && !srv.ctx);
+    config_free(&cfg);
+}
+
 /* ---- moerl keys gen ---- */
 
 static int run_cmd(const char *args) {
@@ -544,6 +602,7 @@ int main(void) {
         {"endpoint already in use", test_in_use},
         {"CURVE handshake with generated keys; wrong key fails", test_curve},
         {"every socket role from a config", test_roles},
+        {"a daemon's context: options, routing id, closing", test_ctx},
         {"moerl keys gen", test_keys_cli},
         CU_TEST_INFO_NULL,
     };

@@ -57,7 +57,7 @@ static int hello_decode(cx_t *c, const msgpack_object *o, msg_t *m) {
     fld_t f[5] = {FLD("role"), FLD("worker_id"), FLD("pid"), FLD("host"), FLD("software")};
     TRY(dec_fields(c, o, NULL, f, 5));
     int role = 0;
-    TRY(dec_enum(c, &f[0], role_nm, MSG_ROLE_COUNT, &role));
+    TRY(dec_enum(c, &f[0], role_nm, MSG_ROLE_LEARNER, &role)); /* no learner hello */
     h->role = (msg_role_t)role;
     TRY(dec_str(c, &f[1], MSG_MAX_ID, &h->worker_id));
     TRY(dec_i64(c, &f[2], 1, INT32_MAX, &h->pid));
@@ -67,7 +67,7 @@ static int hello_decode(cx_t *c, const msgpack_object *o, msg_t *m) {
 
 static int hello_check(cx_t *c, const msg_t *m) {
     const msg_hello_t *h = &m->hello;
-    TRY(ck_enum(c, "role", (int)h->role, MSG_ROLE_COUNT));
+    TRY(ck_enum(c, "role", (int)h->role, MSG_ROLE_LEARNER));
     TRY(ck_id(c, "worker_id", h->worker_id));
     if (h->pid < 1 || h->pid > INT32_MAX)
         return cx_fail(c, "pid", "%lld is out of range [1, %d]", (long long)h->pid, INT32_MAX);

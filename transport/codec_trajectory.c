@@ -63,14 +63,15 @@ static int rewards_decode(cx_t *c, const fld_t *f, uint32_t n, const float **out
 /* ---- trajectory_group ---- */
 
 static int sample_decode(cx_t *c, const msgpack_object *o, msg_sample_t *s) {
-    fld_t f[7] = {FLD("tokens"),
+    fld_t f[8] = {FLD("tokens"),
                   FLD("logprobs"),
                   FLD("routing"),
                   FLD("finish_reason"),
                   FLD("adapter_version_first"),
                   FLD("adapter_version_last"),
-                  FLD("text")};
-    TRY(dec_fields(c, o, NULL, f, 7));
+                  FLD("text"),
+                  FLD("routing_last")};
+    TRY(dec_fields(c, o, NULL, f, 8));
     const void *p = NULL;
     TRY(dec_vector(c, &f[0], DT_I32, MSG_MAX_TOKENS, &p, &s->n_tokens));
     s->tokens = p;
@@ -92,6 +93,15 @@ static int sample_decode(cx_t *c, const msgpack_object *o, msg_sample_t *s) {
         s->routing_layers = (uint32_t)shape[1];
         s->routing_k = (uint32_t)shape[2];
     }
+    int64_t last[2];
+    TRY(dec_tensor_opt(c, &f[7], DT_U16, 2, last, &p));
+    s->routing_last = p;
+    if (p && !s->routing)
+        return cx_fail(c, "routing_last", "sent without routing");
+    if (p && (last[0] != s->routing_layers || last[1] != s->routing_k))
+        return cx_fail(c, "routing_last", "shape [%lld, %lld], but routing has [%u, %u]",
+                       (long long)last[0], (long long)last[1], s->routing_layers,
+                       s->routing_k);
     int fin = 0;
     TRY(dec_enum(c, &f[3], finish_nm, MSG_FINISH_COUNT, &fin));
     s->finish = (msg_finish_t)fin;
@@ -119,6 +129,8 @@ static int sample_check(cx_t *c, const msg_sample_t *s, uint32_t n_prompt) {
                            s->routing_rows, s->n_tokens, s->n_tokens, full);
         TRY(ck_u64(c, "routing.layers", s->routing_layers, 1, MSG_MAX_LAYERS));
         TRY(ck_u64(c, "routing.k", s->routing_k, 1, MSG_MAX_TOPK));
+    } else if (s->routing_last) {
+        return cx_fail(c, "routing_last", "sent without routing");
     }
     TRY(ck_enum(c, "finish_reason", (int)s->finish, MSG_FINISH_COUNT));
     if (s->adapter_version_last < s->adapter_version_first)
@@ -138,6 +150,10 @@ static void sample_encode(enc_t *e, const msg_sample_t *s) {
         int64_t shape[3] = {s->routing_rows, s->routing_layers, s->routing_k};
         enc_key(e, "routing");
         enc_tensor(e, DT_U16, 3, shape, s->routing);
+        if (s->routing_last) {
+            enc_key(e, "routing_last");
+            enc_tensor(e, DT_U16, 2, shape + 1, s->routing_last);
+        }
     }
     enc_key(e, "finish_reason");
     enc_str(e, msg_finish_name(s->finish));

@@ -12,7 +12,9 @@
 #include <uv.h>
 #include <zmq.h>
 
+#include "core/metrics.h"
 #include "core/status.h"
+#include "transport/zap.h"
 
 /* ---- Item queues ---- */
 
@@ -338,6 +340,50 @@ void loop_hello(msg_t *m, msg_role_t role, const char *worker_id) {
     m->hello.pid = (int64_t)getpid();
     m->hello.host = host;
     m->hello.software = "moerl " MOERL_VERSION;
+}
+
+void loop_learner_watch_init(loop_learner_watch_t *w, const config_transport_t *t) {
+    memset(w, 0, sizeof *w);
+    w->timeout_ms = t->learner_timeout_ms > 0 ? (uint64_t)t->learner_timeout_ms
+                                              : 10u * (uint64_t)t->heartbeat_ms;
+}
+
+void loop_learner_heard(loop_learner_watch_t *w, uint64_t now_ms, bool welcome) {
+    w->last_ms = now_ms;
+    w->armed = w->armed || welcome;
+}
+
+int loop_learner_check(const loop_learner_watch_t *w, uint64_t now_ms, const char *endpoint) {
+    if (!w->armed || now_ms <= w->last_ms + w->timeout_ms)
+        return MO_OK;
+    return mo_errorf(MO_ESTATE,
+                     "the learner at %s is gone: no message from it for %llu ms (limit %llu ms, "
+                     "transport.learner_timeout_ms); exiting",
+                     endpoint, (unsigned long long)(now_ms - w->last_ms),
+                     (unsigned long long)w->timeout_ms);
+}
+
+void loop_learner_heartbeat(msg_t *m, uint32_t inflight, uint32_t queue_depth) {
+    msg_init(m);
+    m->type = MSG_HEARTBEAT;
+    m->heartbeat.worker_id = "learner";
+    m->heartbeat.role = MSG_ROLE_LEARNER;
+    m->heartbeat.inflight = inflight;
+    m->heartbeat.queue_depth = queue_depth;
+}
+
+void loop_note_refused(struct metrics *m, int counter, const zsock_ctx_t *c, uint64_t *seen) {
+    uint64_t n = zsock_ctx_refused(c);
+    if (n <= *seen)
+        return;
+    zap_key_t key;
+    zap_last_refused(c->zap, key);
+    metrics_inc(m, counter, (double)(n - *seen));
+    metrics_log(m,
+                "refused %llu CURVE client(s) not on transport.curve_allowed_clients (%llu so "
+                "far; last key %s)",
+                (unsigned long long)(n - *seen), (unsigned long long)n, key);
+    *seen = n;
 }
 
 /* ---- Signals ---- */

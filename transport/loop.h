@@ -74,6 +74,29 @@ void loop_peer_name(const zsock_peer_t *p, char *buf, size_t cap);
  * into a static buffer. */
 void loop_hello(msg_t *m, msg_role_t role, const char *worker_id);
 
+/* A worker's watch on the learner: armed by the first welcome, refreshed by every
+ * message from the learner's control socket (the learner answers each heartbeat). */
+typedef struct loop_learner_watch {
+    uint64_t timeout_ms; /* transport.learner_timeout_ms, or 10 heartbeat intervals */
+    uint64_t last_ms;    /* the learner's last message */
+    bool armed;          /* welcomed at least once */
+} loop_learner_watch_t;
+
+void loop_learner_watch_init(loop_learner_watch_t *w, const config_transport_t *t);
+/* A message from the learner at now_ms; welcome arms the watch. */
+void loop_learner_heard(loop_learner_watch_t *w, uint64_t now_ms, bool welcome);
+/* MO_ESTATE with a message naming endpoint and the silence when the armed watch saw
+ * nothing for longer than its timeout; MO_OK otherwise. */
+int loop_learner_check(const loop_learner_watch_t *w, uint64_t now_ms, const char *endpoint);
+
+/* The learner's answer to a worker's heartbeat (worker_id "learner", role learner). */
+void loop_learner_heartbeat(msg_t *m, uint32_t inflight, uint32_t queue_depth);
+
+struct metrics;
+/* When c's allow-list refused clients since *seen: adds them to counter (a metrics_counter
+ * of m), logs the count and the last refused key, and updates *seen. */
+void loop_note_refused(struct metrics *m, int counter, const zsock_ctx_t *c, uint64_t *seen);
+
 /* ---- Signals ---- */
 
 typedef void (*loop_signal_fn)(int signum, void *arg);

@@ -23,7 +23,8 @@ static const char *const g_type_names[MSG_TYPE_COUNT] = {
     [MSG_ERROR] = "error",
 };
 
-static const char *const g_role_names[MSG_ROLE_COUNT] = {"rollout", "reward", "ctl"};
+static const char *const g_role_names[MSG_ROLE_COUNT] = {"rollout", "reward", "ctl",
+                                                                    "learner"};
 static const char *const g_finish_names[MSG_FINISH_COUNT] = {"stop", "length", "abort"};
 static const char *const g_ctl_names[MSG_CTL_COUNT] = {"status", "swap_reward", "checkpoint",
                                                        "pause",  "resume",      "stop"};

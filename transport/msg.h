@@ -64,7 +64,14 @@ typedef enum {
     MSG_TYPE_COUNT
 } msg_type_t;
 
-typedef enum { MSG_ROLE_ROLLOUT = 0, MSG_ROLE_REWARD, MSG_ROLE_CTL, MSG_ROLE_COUNT } msg_role_t;
+/* MSG_ROLE_LEARNER appears only in the learner's answers to heartbeats, never in hello. */
+typedef enum {
+    MSG_ROLE_ROLLOUT = 0,
+    MSG_ROLE_REWARD,
+    MSG_ROLE_CTL,
+    MSG_ROLE_LEARNER,
+    MSG_ROLE_COUNT
+} msg_role_t;
 
 typedef enum {
     MSG_FINISH_STOP = 0, /* a stop string or end-of-sequence token */
@@ -171,7 +178,8 @@ typedef struct msg_welcome {
     msg_reward_spec_t reward; /* when has_reward */
 } msg_welcome_t;
 
-/* worker -> learner control, every heartbeat_ms. */
+/* worker -> learner control, every heartbeat_ms; the learner answers each one from a
+ * registered worker with its own (role learner, worker_id "learner"). */
 typedef struct msg_heartbeat {
     const char *worker_id;
     msg_role_t role;
@@ -223,6 +231,9 @@ typedef struct msg_sample {
     uint64_t adapter_version_first; /* adapter version of the first token */
     uint64_t adapter_version_last;  /* of the last token (>= first: swapped mid-sequence) */
     const char *text;               /* decoded completion, 0 .. MSG_MAX_TEXT */
+    /* (L, K) the experts of the step that read tokens[T-1] (the row after the last of
+     * routing), or NULL; only with routing, same L and K */
+    const uint16_t *routing_last;
 } msg_sample_t;
 
 /* rollout -> learner trajectory sink: G completions of one prompt. */

@@ -1,5 +1,5 @@
-/* zsock: ZeroMQ socket helpers: options, endpoint policy, CURVE keys and
- * framed messages. */
+/* zsock: ZeroMQ socket helpers: options, endpoint policy, CURVE keys, a daemon's
+ * context and framed messages. */
 #include "transport/zsock.h"
 
 #include <arpa/inet.h>
@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "core/status.h"
+#include "transport/zap.h"
 
 void zsock_opts_default(zsock_opts_t *o) {
     memset(o, 0, sizeof *o);
@@ -555,7 +556,13 @@ int zsock_opts_from_config(zsock_opts_t *o, const config_transport_t *t) {
     bool sec = t->curve_secret_key && *t->curve_secret_key;
     bool pub = t->curve_public_key && *t->curve_public_key;
     bool srv = t->curve_server_key && *t->curve_server_key;
+    bool allow = t->curve_allowed_clients && *t->curve_allowed_clients;
     if (!sec) {
+        if (allow)
+            return mo_errorf(MO_ECONFIG,
+                             "transport.curve_allowed_clients is set but "
+                             "transport.curve_secret_key is empty (client authentication "
+                             "needs CURVE)");
         if (pub || srv)
             return mo_errorf(MO_ECONFIG,
                              "transport.%s is set but transport.curve_secret_key is "
@@ -589,6 +596,69 @@ int zsock_opts_from_config(zsock_opts_t *o, const config_transport_t *t) {
     }
     o->curve = true;
     return MO_OK;
+}
+
+/* ---- A daemon's context ---- */
+
+int zsock_ctx_open(zsock_ctx_t *c, const config_transport_t *t, const char *routing_id,
+                   bool server) {
+    memset(c, 0, sizeof *c);
+    TRY(zsock_opts_from_config(&c->opts, t));
+    c->t = t;
+    if (routing_id) {
+        size_t n = strlen(routing_id);
+        if (n == 0 || n >= sizeof c->routing_id)
+            return mo_errorf(MO_EINVAL, "routing id must be 1..255 bytes");
+        memcpy(c->routing_id, routing_id, n + 1);
+        c->opts.routing_id = c->routing_id;
+    }
+    zap_key_t *keys = NULL;
+    int n = 0;
+    if (server && t->curve_allowed_clients && *t->curve_allowed_clients) {
+        int rc = zap_allowlist_load(t->curve_allowed_clients, &keys, &n);
+        if (rc < 0)
+            return mo_error_wrap(rc, "transport.curve_allowed_clients");
+    }
+    c->ctx = zmq_ctx_new();
+    if (!c->ctx) {
+        free(keys);
+        return mo_errorf(MO_EIO, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+    }
+    int rc = n > 0 ? zap_start(c->ctx, (const zap_key_t *)keys, n, &c->zap) : MO_OK;
+    free(keys);
+    if (rc < 0) {
+        zsock_ctx_close(c);
+        return rc;
+    }
+    c->n_allowed = n;
+    return MO_OK;
+}
+
+int zsock_ctx_socket(zsock_ctx_t *c, zsock_role_t role, int arg, void **out) {
+    *out = NULL;
+    if (!c->ctx)
+        return mo_errorf(MO_ESTATE, "zsock_ctx_socket(%s): the context is not open",
+                         zsock_role_name(role));
+    if (c->n_socks >= ZSOCK_CTX_MAX_SOCKETS)
+        return mo_errorf(MO_ENOMEM, "zsock_ctx_socket(%s): more than %d sockets",
+                         zsock_role_name(role), ZSOCK_CTX_MAX_SOCKETS);
+    TRY(zsock_open(c->ctx, role, c->t, &c->opts, arg, out));
+    c->socks[c->n_socks++] = out;
+    return MO_OK;
+}
+
+uint64_t zsock_ctx_refused(const zsock_ctx_t *c) {
+    return c->zap ? zap_refused(c->zap) : 0;
+}
+
+void zsock_ctx_close(zsock_ctx_t *c) {
+    for (int i = 0; i < c->n_socks; i++)
+        zsock_close(c->socks[i]);
+    c->n_socks = 0;
+    zap_stop(&c->zap);
+    if (c->ctx)
+        zmq_ctx_term(c->ctx);
+    c->ctx = NULL;
 }
 
 /* ---- Messages ---- */

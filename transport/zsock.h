@@ -1,6 +1,7 @@
 /* zsock: ZeroMQ sockets for the daemons: one constructor per socket role with
  * the transport limits (ZMQ_MAXMSGSIZE, linger, reconnect), endpoint checks,
- * the loopback-or-CURVE policy, CURVE key files, and framed send/receive
+ * the loopback-or-CURVE policy, CURVE key files, a daemon's context (options,
+ * client allow-list, its sockets closed together), and framed send/receive
  * with routing ids. */
 #ifndef MOERL_TRANSPORT_ZSOCK_H
 #define MOERL_TRANSPORT_ZSOCK_H
@@ -109,6 +110,41 @@ int zsock_curve_keygen(const char *dir, const char *name, bool force,
  * whitespace allowed. secret: the file must not be readable by group or
  * others. MO_ECONFIG naming the file. */
 int zsock_curve_read_key(const char *path, bool secret, char out[ZSOCK_KEY_LEN + 1]);
+
+/* ---- A daemon's context ---- */
+
+#define ZSOCK_CTX_MAX_SOCKETS 8
+
+/* The ZeroMQ context of a daemon and its sockets: the socket options of its transport
+ * section, the worker's routing id for its DEALERs, and, on a process that binds sockets
+ * (server) with transport.curve_allowed_clients set, the ZAP handler admitting only
+ * those CURVE clients (transport/zap.h). Not to be copied once open (opts points into
+ * it). */
+typedef struct zsock_ctx {
+    void *ctx;
+    zsock_opts_t opts; /* zsock_opts_from_config, routing_id set */
+    const config_transport_t *t;
+    char routing_id[256];
+    struct zap *zap; /* NULL without an allow-list */
+    int n_allowed;   /* keys on the allow-list */
+    void **socks[ZSOCK_CTX_MAX_SOCKETS]; /* the callers' socket pointers, closed together */
+    int n_socks;
+} zsock_ctx_t;
+
+/* Options from t, a new context and (server) the allow-list's ZAP handler, started
+ * before any socket exists. routing_id (NULL: none) goes on every DEALER. t must outlive
+ * c. MO_ECONFIG for bad keys or an allow-list without CURVE; on failure nothing is left
+ * open. */
+int zsock_ctx_open(zsock_ctx_t *c, const config_transport_t *t, const char *routing_id,
+                   bool server);
+/* zsock_open of role (arg as there) with c's options into *out, which c remembers and
+ * closes (setting it NULL) in zsock_ctx_close. MO_ENOMEM past ZSOCK_CTX_MAX_SOCKETS. */
+int zsock_ctx_socket(zsock_ctx_t *c, zsock_role_t role, int arg, void **out);
+/* Clients refused by the allow-list so far (0 without one). */
+uint64_t zsock_ctx_refused(const zsock_ctx_t *c);
+/* Closes every socket opened with zsock_ctx_socket, stops the ZAP handler and terminates
+ * the context; safe on a zeroed or closed c. */
+void zsock_ctx_close(zsock_ctx_t *c);
 
 /* ---- Messages ---- */
 
