@@ -317,6 +317,7 @@ HOT_KERNEL static float dot(const float *restrict x, const float *restrict y, in
 static inline float exp_poly(float x) {
     float xc = x < -87.0f ? -87.0f : x;
     xc = xc > 88.0f ? 88.0f : xc;
+    xc = x != x ? 0.0f : xc; /* NaN: computed on 0 (no undefined conversion), returned below */
     float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* rounded: 1.5 * 2^23 */
     float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f; /* ln2 = 0.693359375 - 2.12194440e-4 */
@@ -329,11 +330,11 @@ static inline float exp_poly(float x) {
     p = p * r + 1.0f;
     p = p * r + 1.0f;
     union {
-        int32_t i;
+        uint32_t u;
         float f;
-    } two_n = {.i = ((int32_t)n + 127) << 23};
+    } two_n = {.u = (uint32_t)((int32_t)n + 127) << 23};
     float keep = x < -87.0f ? 0.0f : 1.0f;
-    return keep * (p * two_n.f);
+    return x != x ? x : keep * (p * two_n.f);
 }
 
 /* Softmax of scale * row (L) over entries lo..hi (inclusive), zero elsewhere;
