@@ -772,6 +772,18 @@ static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_
     if (c->data.task == CFG_TASK_JSONL && !*c->data.path)
         report(e, org, blame(org, dp, key_index("data", "task")),
                "task jsonl needs data.path, the JSONL file of prompts");
+    int amin = key_index("data", "arith_min_digits"), amax = key_index("data", "arith_max_digits");
+    if (c->data.arith_min_digits > c->data.arith_max_digits)
+        report(e, org, blame(org, amin, amax), "%d digits exceed data.arith_max_digits = %d",
+               c->data.arith_min_digits, c->data.arith_max_digits);
+    const char *ops = c->data.arith_ops;
+    size_t nops = strlen(ops);
+    bool dup = false;
+    for (size_t i = 1; i < nops; i++)
+        dup = dup || memchr(ops, ops[i], i) != NULL;
+    if (nops > 3 || strspn(ops, "+-*") != nops || dup)
+        report(e, org, key_index("data", "arith_ops"),
+               "expected operators from + - * each at most once, got \"%s\"", ops);
     int kv = key_index("rollout", "kv_cache_tokens");
     if (c->rollout.kv_cache_tokens > 0 && c->rollout.kv_cache_tokens < c->model.max_seq_len)
         report(e, org, blame(org, kv, key_index("model", "max_seq_len")),
@@ -893,6 +905,8 @@ static const char *const doc_intro =
     "- `learner.tis_cap` is 0 or >= 1;\n"
     "- `rollout.prompt_template` contains `{prompt}` exactly once;\n"
     "- `data.task: jsonl` needs `data.path`;\n"
+    "- `data.arith_min_digits` <= `data.arith_max_digits`, and `data.arith_ops` holds each of "
+    "`+`, `-`, `*` at most once;\n"
     "- a non-zero `rollout.kv_cache_tokens` holds at least `model.max_seq_len` tokens.\n";
 
 void config_doc_markdown(FILE *out) {

@@ -116,6 +116,8 @@ typedef struct config_learner {
 typedef struct config_data {
     cfg_task_t task;
     char *path; /* the JSONL file when task is jsonl */
+    int arith_min_digits, arith_max_digits; /* task arith: digits per operand */
+    char *arith_ops;                        /* task arith: operators, a subset of "+-*" */
     int eval_size;
     bool shuffle;
     bool skip_malformed;
@@ -128,6 +130,8 @@ typedef struct config_transport {
     int lease_timeout_ms;
     char *curve_secret_key, *curve_public_key, *curve_server_key; /* "" = none */
     bool allow_insecure_remote;
+    char *curve_allowed_clients; /* file or directory of client public keys; "" = any */
+    int learner_timeout_ms;      /* workers exit after this long without the learner; 0 = 10 beats */
 } config_transport_t;
 
 typedef struct config_metrics {

@@ -196,6 +196,13 @@ const cfg_key_t cfg_keys[] = {
            "Prompt source: built-in arithmetic or sorting tasks, or a JSONL file."),
     K_STR(data, path, CFG_PATH, 0, "",
           "JSONL file of {\"prompt\": ..., \"answer\": ...} records; required for task jsonl."),
+    K_INT(data, arith_min_digits, 1, 9, "1",
+          "Task arith: fewest digits of an operand (1 allows 0-9)."),
+    K_INT(data, arith_max_digits, 1, 9, "3",
+          "Task arith: most digits of an operand; at least data.arith_min_digits."),
+    K_STR(data, arith_ops, CFG_STRING, CFG_NONEMPTY, "+-",
+          "Task arith: operators to draw from, each of + - * at most once (\"+\": addition "
+          "only)."),
     K_INT(data, eval_size, 0, INT_BIG, "64", "Prompts held out for evaluation."),
     K_BOOL(data, shuffle, "true", "Shuffle prompts each epoch (seeded by run.seed)."),
     K_BOOL(data, skip_malformed, "false",
@@ -226,6 +233,12 @@ const cfg_key_t cfg_keys[] = {
           "File with the server's CURVE public key, for connecting sockets."),
     K_BOOL(transport, allow_insecure_remote, "false",
            "Allow endpoints beyond loopback without CURVE keys."),
+    K_STR(transport, curve_allowed_clients, CFG_PATH, 0, "",
+          "CURVE client allow-list for bound sockets: a file of public keys (z85, one a line) or "
+          "a directory of *.pub files; empty admits any client holding the server key."),
+    K_INT(transport, learner_timeout_ms, 0, 86400000, "0",
+          "A welcomed worker that hears nothing from the learner this long exits with an "
+          "error; 0 means 10 heartbeat intervals."),
 
     /* metrics */
     K_INT(metrics, http_port, 0, 65535, "0", "Port of the Prometheus text endpoint; 0 is off."),

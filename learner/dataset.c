@@ -413,7 +413,8 @@ int dataset_open_config(const moerl_config_t *cfg, dataset_t **out) {
             return mo_errorf(MO_ECONFIG, "data.path: required when data.task is jsonl");
         return dataset_open_jsonl(cfg->data.path, &o, out);
     }
-    task_opts_t t = task_opts_default(cfg->data.task);
+    task_opts_t t;
+    TRY(task_opts_from_config(cfg, &t));
     return dataset_open_task(&t, &o, out);
 }
 

@@ -176,7 +176,8 @@ static int next_pair(sft_t *s, sft_pair_t *p) {
     char prompt[TASK_PROMPT_CAP], answer[TASK_ANSWER_CAP];
     const char *pr, *re;
     if (s->use_task) {
-        task_opts_t t = task_opts_default(s->cfg->data.task);
+        task_opts_t t;
+        TRY(task_opts_from_config(s->cfg, &t));
         TRY(task_sft_pair(&t, (uint64_t)s->cfg->run.seed, s->next++, prompt, sizeof prompt, answer,
                           sizeof answer));
         pr = prompt;

@@ -74,6 +74,30 @@ int task_opts_check(const task_opts_t *o) {
                      (int)o->kind);
 }
 
+int task_opts_from_config(const moerl_config_t *cfg, task_opts_t *out) {
+    const config_data_t *d = &cfg->data;
+    *out = task_opts_default(d->task);
+    if (d->task != CFG_TASK_ARITH)
+        return task_opts_check(out);
+    const char *ops = d->arith_ops ? d->arith_ops : "";
+    size_t n = strlen(ops);
+    if (n == 0 || n >= sizeof out->ops)
+        return mo_errorf(MO_ECONFIG, "data.arith_ops: expected 1 to %zu operators, got \"%s\"",
+                         sizeof out->ops - 1, ops);
+    memcpy(out->ops, ops, n + 1);
+    out->min_digits = d->arith_min_digits;
+    out->max_digits = d->arith_max_digits;
+    int rc = task_opts_check(out);
+    if (rc < 0) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", mo_last_error());
+        return mo_errorf(rc, "data.arith_min_digits %d, data.arith_max_digits %d, data.arith_ops "
+                             "\"%s\": %s",
+                         d->arith_min_digits, d->arith_max_digits, ops, why);
+    }
+    return MO_OK;
+}
+
 /* The draws of one candidate: up to TASK_BLOCKS Philox blocks, made as
  * they are needed. */
 typedef struct draws {

@@ -44,6 +44,10 @@ typedef struct task_opts {
 task_opts_t task_opts_default(cfg_task_t kind);
 /* MO_ECONFIG naming the first bad field. */
 int task_opts_check(const task_opts_t *o);
+/* The options of data.task (arith or sort): the defaults, with data.arith_min_digits,
+ * data.arith_max_digits and data.arith_ops for arith. MO_ECONFIG naming the key when
+ * they do not make a valid task. */
+int task_opts_from_config(const moerl_config_t *cfg, task_opts_t *out);
 
 typedef struct task_item {
     uint64_t index;

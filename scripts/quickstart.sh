@@ -5,14 +5,15 @@
 #   1. installs the Debian packages and builds the optimised moerl;
 #   2. makes the base model once (cached in models/quickstart-base): a random
 #      tiny Qwen3-MoE (moerl init-model) given a short supervised warm start on
-#      the built-in arithmetic task (moerl sft --full);
+#      the built-in arithmetic task (moerl sft --full, one thread: faster than
+#      two for a model this small);
 #   3. runs the RL job (moerl run configs/quickstart.yaml): the learner, 2
 #      rollout workers and a reward worker as separate processes, GRPO with LoRA
 #      on the attention and expert projections;
 #   4. prints reward mean and held-out greedy accuracy by step, the accuracy
 #      before and after RL, and writes runs/quickstart/report.svg.
 #
-# Environment: QUICKSTART_SFT_STEPS (warm-start updates, default 4000) and
+# Environment: QUICKSTART_SFT_STEPS (warm-start updates, default 1500) and
 # QUICKSTART_RL_STEPS (learner steps, default: configs/quickstart.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ cmake --build build/release -j"$(nproc)"
 moerl=./build/release/moerl
 config=configs/quickstart.yaml
 base=models/quickstart-base
-sft_steps=${QUICKSTART_SFT_STEPS:-4000}
+sft_steps=${QUICKSTART_SFT_STEPS:-1500}
 
 if [ -f "$base/model.safetensors" ]; then
   echo "quickstart: base model $base is already there (delete it to make it again)"
@@ -33,8 +34,8 @@ else
   mkdir -p models
   "$moerl" init-model --arch qwen3_moe --size tiny --seed 1 --out models/quickstart-init
   rm -rf "$base.tmp"
-  "$moerl" sft "$config" --set model.path=models/quickstart-init --set run.threads=0 \
-    --full --steps "$sft_steps" --lr 4e-3 --logit-scale 16 --eval-every 1000 --out "$base.tmp"
+  "$moerl" sft "$config" --set model.path=models/quickstart-init --set run.threads=1 \
+    --full --steps "$sft_steps" --lr 4e-3 --logit-scale 16 --eval-every 500 --out "$base.tmp"
   mv "$base.tmp" "$base"
 fi
 

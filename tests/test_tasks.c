@@ -268,6 +268,64 @@ static void test_sft_pairs(void) {
     CU_ASSERT_EQUAL(task_sft_pair(&o, 3, 0, p, sizeof p, r, sizeof r), MO_EINVAL);
 }
 
+/* data.arith_* reach the generator; other tasks keep their defaults. */
+static void test_from_config(void) {
+    moerl_config_t c;
+    CU_ASSERT_EQUAL_FATAL(config_defaults(&c), 0);
+    task_opts_t o, d = task_opts_default(CFG_TASK_ARITH);
+    memset(&o, 0x5a, sizeof o);
+    CU_ASSERT_EQUAL_FATAL(task_opts_from_config(&c, &o), 0);
+    CU_ASSERT_EQUAL(o.min_digits, d.min_digits);
+    CU_ASSERT_EQUAL(o.max_digits, d.max_digits);
+    CU_ASSERT_STRING_EQUAL(o.ops, d.ops);
+    CU_ASSERT_EQUAL(o.eval_permille, d.eval_permille);
+
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_min_digits", "2"), 0);
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_max_digits", "2"), 0);
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_ops", "*"), 0);
+    CU_ASSERT_EQUAL_FATAL(task_opts_from_config(&c, &o), 0);
+    CU_ASSERT_STRING_EQUAL(o.ops, "*");
+    for (uint64_t i = 0; i < 100; i++) {
+        task_item_t it;
+        long long a, b;
+        char op;
+        CU_ASSERT_EQUAL_FATAL(task_generate(&o, 7, i % 2 ? TASK_SPLIT_EVAL : TASK_SPLIT_TRAIN, i,
+                                            &it),
+                              0);
+        CU_ASSERT_EQUAL_FATAL(sscanf(it.prompt, "%lld%c%lld=", &a, &op, &b), 3);
+        CU_ASSERT(op == '*' && a >= 10 && a <= 99 && b >= 10 && b <= 99);
+        char want[TASK_ANSWER_CAP];
+        snprintf(want, sizeof want, "%lld", a * b);
+        CU_ASSERT_STRING_EQUAL(it.answer, want);
+    }
+
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_ops", "+/"), 0);
+    CU_ASSERT_EQUAL(task_opts_from_config(&c, &o), MO_ECONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "data.arith_ops"));
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_ops", "+-*+"), 0);
+    CU_ASSERT_EQUAL(task_opts_from_config(&c, &o), MO_ECONFIG);
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_ops", "+"), 0);
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_min_digits", "3"), 0);
+    CU_ASSERT_EQUAL(task_opts_from_config(&c, &o), MO_ECONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "data.arith_max_digits 2"));
+    CU_ASSERT_EQUAL(config_validate(&c), MO_ECONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "data.arith_min_digits"));
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_min_digits", "1"), 0);
+    CU_ASSERT_EQUAL(config_validate(&c), 0);
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_ops", "++"), 0);
+    CU_ASSERT_EQUAL(config_validate(&c), MO_ECONFIG);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "data.arith_ops"));
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.arith_ops", "+"), 0);
+
+    CU_ASSERT_EQUAL_FATAL(config_set(&c, "data.task", "sort"), 0);
+    CU_ASSERT_EQUAL_FATAL(task_opts_from_config(&c, &o), 0);
+    d = task_opts_default(CFG_TASK_SORT);
+    CU_ASSERT_EQUAL(o.kind, CFG_TASK_SORT);
+    CU_ASSERT_EQUAL(o.min_len, d.min_len);
+    CU_ASSERT_STRING_EQUAL(o.alphabet, d.alphabet);
+    config_free(&c);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"determinism", test_determinism},
@@ -277,6 +335,7 @@ int main(void) {
         {"train and eval are disjoint", test_disjoint},
         {"options", test_options},
         {"sft pairs", test_sft_pairs},
+        {"options from the config", test_from_config},
         CU_TEST_INFO_NULL,
     };
     return tu_main("tasks", tests);
