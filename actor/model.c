@@ -2,9 +2,11 @@
 #include "actor/model.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/status.h"
+#include "moe/moe_ep.h"
 
 /* What one layer's forward keeps for its backward. Buffers of absent adapters and of
  * the feed-forward kind the layer does not have are NULL. */
@@ -26,6 +28,7 @@ typedef struct layer_acts {
     float *ln2;                       /* (T, D) rmsnorm(h1) */
     float *rstd2;                     /* (T) */
     moe_state_t moe;
+    moe_ep_state_t moe_ep; /* the MoE layer under expert parallelism (model_set_comm) */
     mlp_acts_t mlp;
     mla_acts_t mla; /* MLA attention (model_t.mla); the GQA buffers above are then NULL */
 } layer_acts_t;
@@ -52,6 +55,11 @@ struct model_step {
         if (!(ptr))                                                                                \
             return mo_error_wrap(MO_ENOMEM, "model activations");                                  \
     } while (0)
+
+/* 1 when the MoE layers run expert-parallel. */
+static int use_ep(const model_t *m) {
+    return m->comm && comm_size(m->comm) > 1;
+}
 
 static int max_rank(const model_t *m) {
     return m->adapter ? m->adapter->R : 1;
@@ -141,8 +149,10 @@ static int layer_forward(const model_t *m, arena_t *ar, layer_acts_t *a, float *
     m->k->rmsnorm_forward(a->ln2, a->rstd2, a->h1, ly->mlp_norm, T, D, m->eps);
     float *ff = o; /* (T, D) reused for the feed-forward output */
     if (ly->moe) {
-        int rc = moe_forward(m->k, ar, &a->moe, ff, a->ln2, &ly->moe_cfg, &ly->moe_w, T, replay,
-                             replay_dt);
+        int rc = use_ep(m) ? moe_ep_forward(m->k, ar, m->comm, &a->moe_ep, ff, a->ln2,
+                                            &ly->moe_cfg, &ly->moe_w, T, replay, replay_dt)
+                           : moe_forward(m->k, ar, &a->moe, ff, a->ln2, &ly->moe_cfg, &ly->moe_w,
+                                         T, replay, replay_dt);
         if (rc < 0)
             return mo_error_wrap(rc, "layer %d", l);
     } else {
@@ -258,6 +268,75 @@ static int replay_slice(const model_t *m, arena_t *ar, uint16_t **out, const mod
     return MO_OK;
 }
 
+/* A rank without tokens still takes part in every MoE layer's exchanges, in layer order.
+ * What the backward needs stays in st->acts (without recompute). */
+static int ep_empty_forward(model_t *m, model_step_t *st) {
+    for (int l = 0; l < m->L; l++) {
+        const model_layer_t *ly = &m->layers[l];
+        if (!ly->moe)
+            continue;
+        int keep = st->acts != NULL;
+        layer_acts_t local, *a = keep ? &st->acts[l] : &local;
+        float dummy[1] = {0.0f};
+        memset(a, 0, sizeof *a);
+        int rc = moe_ep_forward(m->k, keep ? &m->arena : &m->scratch, m->comm, &a->moe_ep, dummy,
+                                dummy, &ly->moe_cfg, &ly->moe_w, 0, NULL, DT_I32);
+        if (rc < 0)
+            return mo_error_wrap(rc, "layer %d", l);
+        memcpy(m->stats[ly->moe_index].load, a->moe_ep.loc.load, sizeof(int64_t) * (size_t)m->E);
+        m->stats[ly->moe_index].imbalance = a->moe_ep.loc.imbalance;
+        m->stats[ly->moe_index].aux_loss = a->moe_ep.loc.aux_loss;
+        if (!keep)
+            arena_reset(&m->scratch);
+    }
+    return MO_OK;
+}
+
+/* 1 when the balance loss is pooled over the MoE layers (model_opts_t.aux_pool). */
+static int aux_pooled(const model_t *m) {
+    return m->aux_pool && m->opts.aux_coef > 0.0f && m->n_moe > 0;
+}
+
+/* mean (E) = the router probabilities of ms's T tokens averaged over them; each token's
+ * sigmoid scores are first normalised to sum 1, as router_aux_loss does. */
+static int layer_prob_mean(model_t *m, arena_t *ar, float *mean, const moe_state_t *ms,
+                           const router_cfg_t *rc, int T) {
+    int E = m->E;
+    double *acc;
+    ALLOC(acc, ar, E);
+    memset(acc, 0, sizeof(double) * (size_t)E);
+    for (int t = 0; t < T; t++) {
+        const float *p = ms->probs + (size_t)t * E;
+        double z = 0.0;
+        for (int e = 0; e < E; e++)
+            z += p[e];
+        z = rc->kind == ROUTER_SIGMOID_GROUPED ? z : 1.0;
+        for (int e = 0; e < E; e++)
+            acc[e] += p[e] / z;
+    }
+    for (int e = 0; e < E; e++)
+        mean[e] = T > 0 ? (float)(acc[e] / T) : 0.0f;
+    return MO_OK;
+}
+
+/* The pooled balance loss aux_coef E sum_e F_e P_e (model_opts_t.aux_pool), F_e the
+ * slots of e in all M layers over M T K, P_e the mean of the layers' prob_mean: layer
+ * i's share aux_coef E sum_e F_e prob_mean_i[e] / M goes to its stats. */
+static void aux_pool_forward(model_t *m, int T) {
+    int M = m->n_moe, E = m->E;
+    double slots = (double)M * T * m->K;
+    for (int i = 0; i < M; i++) {
+        double s = 0.0;
+        for (int e = 0; e < E; e++) {
+            int64_t c = 0;
+            for (int j = 0; j < M; j++)
+                c += m->stats[j].load[e];
+            s += (double)c / slots * m->stats[i].prob_mean[e];
+        }
+        m->stats[i].aux_loss = slots > 0 ? (float)(m->opts.aux_coef * E * s / M) : 0.0f;
+    }
+}
+
 static int layers_forward(model_t *m, model_step_t *st, const model_batch_t *b) {
     for (int l = 0; l < m->L; l++) {
         int keep = st->acts != NULL;
@@ -270,7 +349,10 @@ static int layers_forward(model_t *m, model_step_t *st, const model_batch_t *b) 
             TRY(replay_slice(m, ar, &replay, b, l));
         TRY(layer_forward(m, ar, a, st->xs[l + 1], l, st, replay, DT_U16));
         if (m->layers[l].moe)
-            record_routing(m, st, b, l, &a->moe);
+            record_routing(m, st, b, l, use_ep(m) ? &a->moe_ep.loc : &a->moe);
+        if (m->layers[l].moe && aux_pooled(m))
+            TRY(layer_prob_mean(m, ar, m->stats[m->layers[l].moe_index].prob_mean, &a->moe,
+                                &m->layers[l].moe_cfg.router, st->T));
         if (!keep)
             arena_reset(&m->scratch);
     }
@@ -323,17 +405,37 @@ int model_forward(model_t *m, const model_batch_t *b, float *logp, float *entrop
         m->stats[i].imbalance = m->stats[i].aux_loss = 0.0f;
     }
     if (b->T == 0) {
-        m->step = for_backward ? st : NULL;
-        return MO_OK;
+        int rc = use_ep(m) ? ep_empty_forward(m, st) : MO_OK;
+        arena_reset(&m->scratch);
+        m->step = for_backward && rc == MO_OK ? st : NULL;
+        return rc;
     }
     m->k->embedding_forward(st->xs[0], b->tokens, &m->embed, b->T, m->D);
     int rc = layers_forward(m, st, b);
+    if (rc == MO_OK && aux_pooled(m))
+        aux_pool_forward(m, b->T);
     if (rc == MO_OK)
         rc = head_forward(m, st, logp, entropy, for_backward);
     arena_reset(&m->scratch);
     if (rc == MO_OK && for_backward)
         m->step = st;
     return rc;
+}
+
+int model_set_aux_pool(model_t *m, int pool) {
+    if (pool != 0 && pool != 1)
+        return mo_errorf(MO_EINVAL, "model %s: aux_pool %d must be 0 or 1", m->path, pool);
+    if (pool && use_ep(m))
+        return mo_errorf(MO_EINVAL,
+                         "model %s: the pooled balance loss (aux_pool) needs the "
+                         "whole batch's routing and does not run expert-parallel",
+                         m->path);
+    m->aux_pool = pool;
+    /* Pooled, the MoE layers keep no loss of their own: aux_pool_forward/backward add it. */
+    for (int l = 0; l < m->L; l++)
+        m->layers[l].moe_cfg.aux_coef = pool ? 0.0f : m->opts.aux_coef;
+    m->step = NULL;
+    return MO_OK;
 }
 
 float model_aux_loss(const model_t *m) {
@@ -443,6 +545,28 @@ static int attention_backward(const model_t *m, arena_t *ar, float *dx, const fl
     return MO_OK;
 }
 
+/* dx (T, D) += the pooled balance loss's gradient through the router of MoE layer ly.
+ * router_aux_loss_backward differentiates aux_coef E sum_e c_e / (T K) P_e over this
+ * layer's T tokens; with c the slots of all M layers that is M^2 times the pooled loss's
+ * term of this layer. */
+static int aux_pool_backward(const model_t *m, arena_t *ar, float *dx, const moe_state_t *ms,
+                             const model_layer_t *ly, int T) {
+    int M = m->n_moe, E = m->E;
+    int64_t *c;
+    float *dlogits; /* (T, E) */
+    ALLOC(c, ar, E);
+    ZEROS(dlogits, ar, (size_t)T * E);
+    for (int e = 0; e < E; e++) {
+        c[e] = 0;
+        for (int j = 0; j < M; j++)
+            c[e] += m->stats[j].load[e];
+    }
+    router_aux_loss_backward(&ly->moe_cfg.router, dlogits, 1.0f / ((float)M * (float)M), c,
+                             ms->probs, T, m->opts.aux_coef);
+    m->k->matmul_backward(dx, NULL, NULL, dlogits, ms->x, &ly->moe_w.router, T, m->D, E);
+    return MO_OK;
+}
+
 /* dx (T, D) = the gradient at layer l's input from dy (T, D) at its output. */
 static int layer_backward(const model_t *m, arena_t *ar, float *dx, const float *dy,
                           const layer_acts_t *a, int l, const model_step_t *st, int need_dx) {
@@ -452,7 +576,11 @@ static int layer_backward(const model_t *m, arena_t *ar, float *dx, const float 
     float *dln2;
     ZEROS(dln2, ar, (size_t)T * D);
     if (ly->moe) {
-        int rc = moe_backward(m->k, ar, dln2, dy, &a->moe, &ly->moe_cfg, &ly->moe_w);
+        int rc = use_ep(m) ? moe_ep_backward(m->k, ar, m->comm, dln2, dy, &a->moe_ep, &ly->moe_cfg,
+                                             &ly->moe_w)
+                           : moe_backward(m->k, ar, dln2, dy, &a->moe, &ly->moe_cfg, &ly->moe_w);
+        if (rc >= 0 && aux_pooled(m))
+            rc = aux_pool_backward(m, ar, dln2, &a->moe, ly, T);
         if (rc < 0)
             return mo_error_wrap(rc, "layer %d backward", l);
     } else {
@@ -491,6 +619,30 @@ static int head_backward(model_t *m, float *dx, const float *dlogp, const float 
     return MO_OK;
 }
 
+/* The backward of ep_empty_forward: every MoE layer's exchanges in reverse layer order
+ * (recomputing the forward's first under recompute, as layer_backward's caller does). */
+static int ep_empty_backward(model_t *m, const model_step_t *st) {
+    for (int l = m->L - 1; l >= 0; l--) {
+        const model_layer_t *ly = &m->layers[l];
+        if (!ly->moe)
+            continue;
+        float dummy[1] = {0.0f}, dx[1] = {0.0f};
+        moe_ep_state_t local;
+        const moe_ep_state_t *s = st->acts ? &st->acts[l].moe_ep : &local;
+        int rc = MO_OK;
+        if (!st->acts)
+            rc = moe_ep_forward(m->k, &m->scratch, m->comm, &local, dummy, dummy, &ly->moe_cfg,
+                                &ly->moe_w, 0, NULL, DT_I32);
+        if (rc == MO_OK)
+            rc = moe_ep_backward(m->k, &m->scratch, m->comm, dx, dummy, s, &ly->moe_cfg,
+                                 &ly->moe_w);
+        arena_reset(&m->scratch);
+        if (rc < 0)
+            return mo_error_wrap(rc, "layer %d backward", l);
+    }
+    return MO_OK;
+}
+
 int model_backward(model_t *m, const float *dlogp, const float *dentropy) {
     model_step_t *st = m->step;
     if (!st || st->adapter != m->adapter)
@@ -500,7 +652,7 @@ int model_backward(model_t *m, const float *dlogp, const float *dentropy) {
         return mo_errorf(MO_EINVAL, "model backward: dlogp is required");
     int T = st->T;
     if (T == 0)
-        return MO_OK;
+        return use_ep(m) ? ep_empty_backward(m, st) : MO_OK;
     float *dxa, *dxb;
     ZEROS(dxa, &m->arena, (size_t)T * m->D);
     ALLOC(dxb, &m->arena, (size_t)T * m->D);
@@ -523,4 +675,62 @@ int model_backward(model_t *m, const float *dlogp, const float *dentropy) {
         arena_reset(&m->scratch);
     }
     return MO_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Expert parallelism.                                                       */
+
+/* Frees the fp8 scale of a dropped view and forgets it in m->scales. */
+static void drop_view(model_t *m, wview_t *v) {
+    if (v->scale)
+        for (int i = 0; i < m->n_scales; i++)
+            if (m->scales[i] == v->scale) {
+                free(m->scales[i]);
+                m->scales[i] = m->scales[--m->n_scales];
+                break;
+            }
+    memset(v, 0, sizeof *v);
+}
+
+int model_set_comm(model_t *m, comm_t *cm) {
+    if (!cm || comm_size(cm) == 1 || cm == m->comm)
+        return MO_OK;
+    if (use_ep(m))
+        return mo_errorf(MO_ESTATE, "model %s: already expert-parallel over %d ranks", m->path,
+                         comm_size(m->comm));
+    if (aux_pooled(m))
+        return mo_errorf(MO_EINVAL,
+                         "model %s: the pooled balance loss (aux_pool) needs the "
+                         "whole batch's routing and does not run expert-parallel",
+                         m->path);
+    int N = comm_size(cm), r = comm_rank(cm), e0 = 0, n = m->E;
+    if (m->n_moe > 0) {
+        int rc = moe_ep_check(m->E, N);
+        if (rc < 0)
+            return mo_error_wrap(rc, "model %s", m->path);
+        moe_ep_experts(m->E, N, r, &e0, &n);
+        for (int l = 0; l < m->L; l++) {
+            if (!m->layers[l].moe)
+                continue;
+            wview_t *ex = m->layers[l].experts; /* (3, E) */
+            for (int p = 0; p < 3; p++)
+                for (int e = 0; e < m->E; e++)
+                    if (e < e0 || e >= e0 + n)
+                        drop_view(m, &ex[(size_t)p * m->E + e]);
+        }
+    }
+    m->comm = cm;
+    m->ep_e0 = e0;
+    m->ep_n = n;
+    m->step = NULL;
+    return MO_OK;
+}
+
+size_t model_expert_weight_bytes(const model_t *m) {
+    size_t b = 0;
+    int e0 = m->ep_n > 0 ? m->ep_e0 : 0, n = m->ep_n > 0 ? m->ep_n : m->E;
+    for (int l = 0; l < m->L; l++)
+        if (m->layers[l].moe)
+            b += moe_ep_expert_weight_bytes(&m->layers[l].moe_cfg, &m->layers[l].moe_w, e0, n);
+    return b;
 }

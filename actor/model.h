@@ -10,6 +10,7 @@
 #include "actor/mla.h"
 #include "actor/model_config.h"
 #include "core/arena.h"
+#include "core/comm.h"
 #include "core/kernels.h"
 #include "core/safetensors.h"
 #include "lora/adapter.h"
@@ -81,10 +82,12 @@ typedef struct model_layer {
 
 /* Load statistics of one MoE layer from the last forward. */
 typedef struct model_moe_stats {
-    int layer;       /* decoder layer index */
-    int64_t *load;   /* (E) token slots routed to each expert */
-    float imbalance; /* max / mean of load */
-    float aux_loss;  /* balance loss value (0 when aux_coef is 0) */
+    int layer;        /* decoder layer index */
+    int64_t *load;    /* (E) token slots routed to each expert */
+    float imbalance;  /* max / mean of load */
+    float aux_loss;   /* balance loss value (0 when aux_coef is 0); with aux_pool this
+                       * layer's share of the pooled loss (the shares sum to it) */
+    float *prob_mean; /* (E) mean router probability of each expert over the tokens */
 } model_moe_stats_t;
 
 typedef struct model_step model_step_t; /* what the last forward kept, in the arena */
@@ -121,6 +124,7 @@ typedef struct model {
     const lora_adapter_t *adapter;    /* bound adapter or NULL */
 
     model_moe_stats_t *stats; /* (M) from the last forward */
+    int aux_pool;             /* model_set_aux_pool */
 
     arena_t arena;   /* the step: activations kept for backward */
     arena_t scratch; /* per-layer temporaries, reset after each layer */
@@ -131,6 +135,11 @@ typedef struct model {
     const lora_pair_t **lora_ptrs; /* expert adapter slots of every MoE layer */
     float **scales;                /* (n_scales) fp8 block scales (malloc'd) */
     int n_scales, cap_scales;
+
+    /* Expert parallelism (model_set_comm): the communicator, or NULL, and the routed
+     * experts this rank holds, ep_e0 .. ep_e0 + ep_n - 1 (ep_n 0: all E). */
+    comm_t *comm;
+    int ep_e0, ep_n;
 } model_t;
 
 /* Loads a Hugging Face model directory: config.json (model_config_load) and the
@@ -150,6 +159,22 @@ void model_destroy(model_t **m);
  * policy). The adapter must outlive the binding. Gradients flow into the adapter's grad
  * buffer when it has one. Invalidates the last forward. */
 int model_set_adapter(model_t *m, const lora_adapter_t *ad);
+
+/* Expert parallelism over cm (borrowed; it must outlive the model). With N = comm_size(cm)
+ * > 1 ranks, this rank keeps only its E / N routed experts (moe_ep_experts) of every MoE
+ * layer: the other experts' weight views and fp8 scales are dropped, so their part of the
+ * mapped checkpoint is never read, and the MoE layers run moe_ep_forward / moe_ep_backward.
+ * model_forward and model_backward are then collective: every rank calls them in the same
+ * order, each with its own sequences (T = 0 is fine), the same options and adapter
+ * targets; an error on one rank leaves the others waiting (treat it as fatal for the
+ * job). Routing stats (model_t.stats) then describe the global batch. cm NULL or of size
+ * 1 changes nothing. MO_ECONFIG when E is not a multiple of N (naming both), MO_ESTATE
+ * when another communicator of size > 1 was set before. */
+int model_set_comm(model_t *m, comm_t *cm);
+
+/* Bytes of frozen routed-expert weights (every MoE layer, fp8 scales included) the model
+ * holds: all E experts, or this rank's E / N after model_set_comm. */
+size_t model_expert_weight_bytes(const model_t *m);
 
 /* A packed batch of B sequences: sequence b holds tokens cu_seqlens[b] ..
  * cu_seqlens[b+1]-1. Read during model_forward only (what backward needs is copied). */
@@ -189,6 +214,16 @@ int model_backward(model_t *m, const float *dlogp, const float *dentropy);
 
 /* Sum of the MoE layers' balance losses from the last forward (0 when aux_coef is 0). */
 float model_aux_loss(const model_t *m);
+
+/* pool = 0 (the default): one balance loss per MoE layer, summed. pool = 1: one loss over
+ * the token slots of all M MoE layers together, as Hugging Face's load_balancing_loss_func
+ * computes it (times router_aux_loss_coef = aux_coef / K):
+ *     aux_coef E sum_e F_e P_e,
+ * F_e = (slots routed to e in all layers) / (M T K), P_e = the router probability of e
+ * averaged over the M T (layer, token) pairs (sigmoid scores normalised per token to sum
+ * 1). Each layer's stats then hold its share of it (P_e's terms of that layer). Not with
+ * expert parallelism: MO_EINVAL after model_set_comm, and model_set_comm refuses it. */
+int model_set_aux_pool(model_t *m, int pool);
 
 /* Pieces for other decoding paths (e.g. a KV-cache engine). */
 /* x (T, D) = embedding rows of ids (which must be in [0, V)). */

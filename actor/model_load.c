@@ -517,19 +517,23 @@ static int open_weights(model_t *m) {
     m->mla_cfg.rope_mscale = m->rope_mscale;
     TRY(build_modules(m));
     m->stats = calloc((size_t)(m->n_moe ? m->n_moe : 1), sizeof *m->stats);
-    int64_t *load = calloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)m->E, sizeof *load);
-    if (!m->stats || !load) {
+    size_t n_stat = (size_t)(m->n_moe ? m->n_moe : 1) * (size_t)m->E;
+    int64_t *load = calloc(n_stat, sizeof *load);
+    float *prob_mean = calloc(n_stat, sizeof *prob_mean);
+    if (!m->stats || !load || !prob_mean) {
         free(load);
+        free(prob_mean);
         return mo_errorf(MO_ENOMEM, "model: out of memory for load statistics");
     }
     for (int l = 0, mi = 0; l < m->L; l++)
         if (m->layers[l].moe) {
             m->stats[mi].layer = l;
             m->stats[mi].load = load + (size_t)mi * m->E;
+            m->stats[mi].prob_mean = prob_mean + (size_t)mi * m->E;
             mi++;
         }
     if (m->n_moe == 0)
-        m->stats[0].load = load;
+        m->stats[0].load = load, m->stats[0].prob_mean = prob_mean;
     return MO_OK;
 }
 
@@ -583,8 +587,10 @@ void model_destroy(model_t **pm) {
     free(m->modules);
     free(m->module_slot);
     free(m->pairs);
-    if (m->stats)
+    if (m->stats) {
         free(m->stats[0].load);
+        free(m->stats[0].prob_mean);
+    }
     free(m->stats);
     for (int i = 0; i < m->n_scales; i++)
         free(m->scales[i]);

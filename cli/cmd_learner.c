@@ -1,10 +1,14 @@
 /* cmd_learner: `moerl learner CONFIG`: the learner daemon. */
+#include <signal.h>
 #include <stdio.h>
 
 #include "cli/commands.h"
 #include "cli/daemon_args.h"
+#include "core/backend.h"
+#include "core/comm.h"
 #include "core/status.h"
 #include "learner/daemon.h"
+#include "learner/ep_learner.h"
 
 #define LEARNER_ACCEPT DA_RESUME
 
@@ -32,9 +36,63 @@ static void learner_help(FILE *out) {
           "progress finishes, a checkpoint is saved, workers are told to stop, exit 0. A\n"
           "second signal skips the checkpoint (exit 1).\n"
           "\n"
+          "Expert parallelism: with learner.ranks N > 1, launch N ranks with\n"
+          "`mpirun -np N moerl learner CONFIG` (`moerl run` does): each rank holds E/N\n"
+          "routed experts of every MoE layer and trains on its share of each batch; rank 0\n"
+          "runs the daemon, the others follow it and exit when it stops.\n"
+          "\n"
           "exit status: 0 finished or stopped cleanly, 1 error (bad config, endpoint in\n"
-          "use, missing CURVE keys, learner.ranks > 1, training failure), 2 usage error\n",
+          "use, missing CURVE keys, learner.ranks not matching the ranks started, experts\n"
+          "not divisible by learner.ranks, training failure), 2 usage error\n",
           out);
+}
+
+/* The job's communicator when learner.ranks > 1 (NULL otherwise); 0 or 1 (error). */
+static int open_comm(const moerl_config_t *c, comm_t **cm) {
+    *cm = NULL;
+    if (c->learner.ranks <= 1)
+        return 0;
+    if (comm_init_from_env(cm, "auto") < 0) {
+        fprintf(stderr, "moerl learner: %s\n", mo_last_error());
+        return 1;
+    }
+    if (comm_size(*cm) == c->learner.ranks)
+        return 0;
+    if (comm_rank(*cm) == 0)
+        fprintf(stderr,
+                "moerl learner: learner.ranks is %d but %d rank(s) were started: launch "
+                "`mpirun -np %d moerl learner CONFIG` (or use `moerl run`)\n",
+                c->learner.ranks, comm_size(*cm), c->learner.ranks);
+    comm_destroy(cm);
+    return 1;
+}
+
+/* Ranks 1 .. N - 1: the trainer's shard, following rank 0 until it stops. On an error
+ * the communicator is left as it is (another rank may be inside a collective): the
+ * non-zero exit makes the launcher end the job. */
+static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t *cm) {
+    int r = comm_rank(cm);
+    signal(SIGTERM, SIG_IGN); /* rank 0 handles stops and tells this rank */
+    signal(SIGINT, SIG_IGN);
+    backend_cpu_set_threads(c->run.threads);
+    trainer_opts_t to = trainer_opts_default();
+    to.init_adapter = a->init_adapter;
+    to.comm = cm;
+    trainer_t *t = NULL;
+    int rc = trainer_new(&t, c, NULL, &to);
+    if (rc == MO_OK) {
+        char line[512];
+        ep_describe(t, line, sizeof line);
+        fprintf(stderr, "learner rank %d: %s\n", r, line);
+        rc = ep_follow(t);
+    }
+    if (rc < 0) {
+        fprintf(stderr, "moerl learner rank %d: %s\n", r,
+                *mo_last_error() ? mo_last_error() : mo_status_name(rc));
+        return 1;
+    }
+    trainer_destroy(&t);
+    return comm_destroy(&cm) < 0 ? 1 : 0;
 }
 
 static int learner_run(int argc, char **argv) {
@@ -47,8 +105,19 @@ static int learner_run(int argc, char **argv) {
         config_free(&c);
         return 1;
     }
+    comm_t *cm = NULL;
+    if (open_comm(&c, &cm)) {
+        config_free(&c);
+        return 1;
+    }
+    if (cm && comm_rank(cm) > 0) {
+        rc = follower_run(&c, &a, cm);
+        config_free(&c);
+        return rc;
+    }
     learner_daemon_opts_t o;
     learner_daemon_opts_default(&o, &c);
+    o.comm = cm;
     o.resume = a.resume;
     o.allow_config_change = a.allow_config_change;
     o.init_adapter = a.init_adapter;
@@ -59,6 +128,12 @@ static int learner_run(int argc, char **argv) {
         fprintf(stderr, "moerl learner: %s\n",
                 *mo_last_error() ? mo_last_error() : mo_status_name(rc));
     config_free(&c);
+    if (cm && ep_lead_stop(cm, rc < 0) < 0) {
+        fprintf(stderr, "moerl learner: %s\n", mo_last_error());
+        return 1; /* the launcher ends the other ranks */
+    }
+    if (comm_destroy(&cm) < 0)
+        rc = rc < 0 ? rc : MO_EIO;
     return rc < 0 ? 1 : 0;
 }
 

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "core/status.h"
+#include "learner/ep_shard.h"
 #include "lora/peft.h"
 
 #define PATH_CAP 4096
@@ -641,7 +642,23 @@ int checkpoint_save_trainer(const trainer_t *t, const char *run_dir, const check
         so = *opts;
     if (!so.base_model && t->model)
         so.base_model = t->model->path;
-    return checkpoint_save(run_dir, t->adapter, &t->optim, &st, &so, name, cap);
+    if (!t->comm)
+        return checkpoint_save(run_dir, t->adapter, &t->optim, &st, &so, name, cap);
+    /* Expert parallelism: the whole adapter and AdamW state gathered on rank 0, which
+     * writes; every rank returns rank 0's outcome. */
+    const lora_adapter_t *ad = NULL;
+    const optim_t *o = NULL;
+    int rc = trainer_whole_state((trainer_t *)t, &ad, &o);
+    if (rc == MO_OK && ad)
+        rc = checkpoint_save(run_dir, ad, o, &st, &so, name, cap);
+    int32_t out = rc < 0 ? rc : 0;
+    int rc2 = comm_bcast(t->comm, &out, 1, DT_I32, 0);
+    if (rc2 < 0)
+        return rc2;
+    if (out < 0 && comm_rank(t->comm) != 0)
+        return mo_errorf(out, "checkpoint: rank 0 failed to save the step %lld checkpoint",
+                         (long long)t->step);
+    return rc < 0 ? rc : out;
 }
 
 typedef struct optim_backup {
@@ -672,6 +689,24 @@ static void restore_optim(optim_t *o, const optim_backup_t *b) {
     o->skipped = b->skipped;
 }
 
+/* Expert parallelism: every rank loads the whole checkpoint and keeps its shard (any rank
+ * count that divides E). The run directory must be readable by every rank. */
+static int resume_sharded(trainer_t *t, const char *run_dir, checkpoint_state_t *st, char *used,
+                          size_t cap, int *fell_back) {
+    lora_adapter_t *whole = NULL;
+    optim_t wo = {0};
+    int rc = ep_shard_full_new(t->ep, &whole);
+    if (rc == MO_OK)
+        rc = optim_init(&wo, whole->n_params, &t->optim.hp, t->optim.k);
+    if (rc == MO_OK)
+        rc = checkpoint_load(run_dir, whole, &wo, st, used, cap, fell_back);
+    if (rc == MO_OK)
+        ep_shard_extract_state(t->ep, whole, &wo, t->adapter, &t->optim);
+    lora_adapter_destroy(&whole);
+    optim_free(&wo);
+    return rc;
+}
+
 int checkpoint_resume_trainer(trainer_t *t, const char *run_dir, int allow_config_change,
                               checkpoint_data_t *data, char *name, size_t cap, int *fell_back) {
     optim_backup_t ob = {NULL, NULL, 0, 0};
@@ -685,7 +720,9 @@ int checkpoint_resume_trainer(trainer_t *t, const char *run_dir, int allow_confi
     memcpy(pb, t->adapter->params, sizeof *pb * t->adapter->n_params);
     checkpoint_state_t st;
     char used[64] = "";
-    int rc = checkpoint_load(run_dir, t->adapter, &t->optim, &st, used, sizeof used, fell_back);
+    int rc = t->ep ? resume_sharded(t, run_dir, &st, used, sizeof used, fell_back)
+                   : checkpoint_load(run_dir, t->adapter, &t->optim, &st, used, sizeof used,
+                                     fell_back);
     if (rc == MO_OK && !allow_config_change &&
         (st.config_hash != t->config_hash || st.seed != t->seed))
         rc = mo_errorf(MO_ECONFIG,
@@ -693,6 +730,8 @@ int checkpoint_resume_trainer(trainer_t *t, const char *run_dir, int allow_confi
                        "%016" PRIx64 "; this job has run.seed %" PRIu64 " and %016" PRIx64
                        " (a learner, lora, rollout sampling or seed setting changed)",
                        used, st.seed, st.config_hash, t->seed, t->config_hash);
+    if (t->ep && ep_shard_any_failed(t->ep, rc) && rc == MO_OK)
+        rc = mo_errorf(MO_EIO, "checkpoint: another rank failed to resume from %s", run_dir);
     if (rc < 0) {
         restore_optim(&t->optim, &ob);
         memcpy(t->adapter->params, pb, sizeof *pb * t->adapter->n_params);

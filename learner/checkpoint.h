@@ -118,7 +118,10 @@ typedef struct checkpoint_data {
 /* 1 when step is a multiple of every (every > 0). */
 int checkpoint_due(const trainer_t *t, int64_t every);
 
-/* Saves the trainer's adapter, optimizer and counters (data may be NULL: zeros). */
+/* Saves the trainer's adapter, optimizer and counters (data may be NULL: zeros). With
+ * expert parallelism (trainer_t.comm) this is collective: the whole adapter and AdamW
+ * state are gathered on rank 0, which writes them in the single-rank layout; every rank
+ * returns rank 0's outcome (name is filled on rank 0). */
 int checkpoint_save_trainer(const trainer_t *t, const char *run_dir, const checkpoint_data_t *data,
                             const checkpoint_save_opts_t *opts, char *name, size_t cap);
 
@@ -126,7 +129,10 @@ int checkpoint_save_trainer(const trainer_t *t, const char *run_dir, const check
  * step, version, RNG counter and reward version. A checkpoint saved under another
  * run.seed or config hash is refused (MO_ECONFIG naming both values) unless
  * allow_config_change. data (may be NULL) receives the saved cursor. Nothing changes on
- * failure. */
+ * failure. With expert parallelism this is collective: every rank reads the whole
+ * checkpoint (the run directory must be visible to all) and keeps its shard, so a
+ * checkpoint resumes under any rank count that divides E; it fails on every rank when it
+ * fails on one. */
 int checkpoint_resume_trainer(trainer_t *t, const char *run_dir, int allow_config_change,
                               checkpoint_data_t *data, char *name, size_t cap, int *fell_back);
 

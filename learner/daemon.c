@@ -17,6 +17,7 @@
 #include "learner/checkpoint.h"
 #include "learner/daemon_internal.h"
 #include "learner/dataset.h"
+#include "learner/ep_learner.h"
 #include "learner/sample.h"
 #include "learner/trainer.h"
 #include "reward/reward.h"
@@ -50,7 +51,7 @@ static void tjob_free(void *p) {
 static int save(ld_t *d, tjob_t *j) {
     const moerl_config_t *c = d->cfg;
     checkpoint_save_opts_t so = {c->learner.keep_checkpoints, c->model.path, CKPT_CRASH_NONE};
-    int rc = checkpoint_save_trainer(d->t, d->run_dir, &j->data, &so, j->ckpt, sizeof j->ckpt);
+    int rc = ep_lead_save(d->t, d->run_dir, &j->data, &so, j->ckpt, sizeof j->ckpt);
     j->ckpt_status = rc;
     j->saved = rc == MO_OK;
     if (rc < 0)
@@ -64,7 +65,7 @@ static void run_job(ld_t *d, tjob_t *j) {
     if (j->kind == J_CHECKPOINT) {
         save(d, j);
     } else {
-        j->status = trainer_step(t, (const sample_group_t *const *)j->groups, j->n, &j->tm);
+        j->status = ep_lead_step(t, (const sample_group_t *const *)j->groups, j->n, &j->tm);
         if (j->status < 0) {
             snprintf(j->error, sizeof j->error, "%s", mo_last_error());
         } else {
@@ -79,7 +80,7 @@ static void run_job(ld_t *d, tjob_t *j) {
             if (j->tm.trained) {
                 j->params = malloc(sizeof(float) * (d->n_params ? d->n_params : 1));
                 if (j->params)
-                    memcpy(j->params, t->adapter->params, sizeof(float) * d->n_params);
+                    memcpy(j->params, ep_lead_params(t), sizeof(float) * d->n_params);
                 const config_learner_t *lc = &d->cfg->learner;
                 if (checkpoint_due(t, lc->checkpoint_every) || t->step >= lc->steps)
                     save(d, j);
@@ -455,6 +456,18 @@ static void on_hello(ld_t *d, const msg_hello_t *h, const zsock_peer_t *from) {
     if (h->role != MSG_ROLE_CTL) {
         peer_t *p = ld_find_peer(d, h->worker_id);
         bool fresh = !p;
+        if (p && h->role == MSG_ROLE_ROLLOUT) {
+            /* A registered worker says hello only when it starts (a worker that was never
+             * welcomed has no leases): a new incarnation, so the old one's leases go back
+             * to the queue now rather than at their deadline. */
+            int before = d->n_leased;
+            ld_reclaim(d, h->worker_id, loop_now_ms(d->loop));
+            if (d->n_leased < before)
+                metrics_log(d->m,
+                            "%s registered again (pid %lld): %d prompt(s) it held are handed "
+                            "out again",
+                            h->worker_id, (long long)h->pid, before - d->n_leased);
+        }
         p = ld_add_peer(d, h->worker_id, h->role);
         if (!p)
             return;
@@ -486,6 +499,9 @@ static void on_heartbeat(ld_t *d, const msg_heartbeat_t *h, const zsock_peer_t *
     p->tps = h->tokens_per_s;
     p->inflight = h->inflight;
     p->queue_depth = h->queue_depth;
+    msg_t ack; /* the worker's proof that the learner is alive */
+    loop_learner_heartbeat(&ack, (uint32_t)d->n_leased, (uint32_t)d->n_waiting);
+    ld_send_to(d, d->control, from, &ack);
     check_sync(d);
 }
 
@@ -817,6 +833,7 @@ static void on_tick(void *arg) {
         d->peers[i] = d->peers[--d->n_peers];
     }
     ld_count_peers(d);
+    loop_note_refused(d->m, d->refused_id, &d->zc, &d->refused_seen);
     check_sync(d);
     ld_serve_work(d);
     ld_maybe_step(d);
@@ -885,6 +902,8 @@ static void register_metrics(ld_t *d) {
         metrics_counter(m, "moerl_learner_samples_trained_total", "Samples trained on.");
     k->rollouts = metrics_gauge(m, "moerl_learner_rollout_workers", "Registered rollout workers.");
     k->rewards = metrics_gauge(m, "moerl_learner_reward_workers", "Registered reward workers.");
+    d->refused_id = metrics_counter(m, "moerl_transport_refused_clients_total",
+                                    "CURVE clients refused by transport.curve_allowed_clients.");
     k->pending = metrics_gauge(m, "moerl_learner_pending_groups", "Prompts waiting for credits.");
     k->leased = metrics_gauge(m, "moerl_learner_leased_groups", "Prompts leased.");
     k->waiting = metrics_gauge(m, "moerl_learner_waiting_groups", "Groups waiting for a step.");
@@ -900,7 +919,8 @@ static void register_metrics(ld_t *d) {
 
 /* The tensor table and meta of the published adapter, and the chunk size. */
 static int build_table(ld_t *d) {
-    const lora_adapter_t *ad = d->t->adapter;
+    const lora_adapter_t *ad = NULL;
+    TRY(ep_lead_whole(d->t, &ad)); /* expert parallelism: gathered from every rank */
     d->n_params = ad->n_params;
     d->n_table = (uint32_t)ad->n_tensors;
     d->table = calloc(d->n_table + 1, sizeof *d->table);
@@ -943,7 +963,7 @@ static int resume(ld_t *d) {
     checkpoint_data_t data = {0, 0, 0};
     char name[64] = "";
     int fell_back = 0;
-    int rc = checkpoint_resume_trainer(d->t, d->run_dir, d->o->allow_config_change, &data, name,
+    int rc = ep_lead_resume(d->t, d->run_dir, d->o->allow_config_change, &data, name,
                                        sizeof name, &fell_back);
     if (rc == MO_ENOTFOUND) {
         metrics_log(d->m, "--resume: no checkpoint in %s/%s yet: starting from step 0", d->run_dir,
@@ -970,17 +990,13 @@ static int resume(ld_t *d) {
 }
 
 static int open_sockets(ld_t *d) {
-    const config_transport_t *t = &d->cfg->transport;
-    zsock_opts_t so;
-    TRY(zsock_opts_from_config(&so, t));
-    d->ctx = zmq_ctx_new();
-    if (!d->ctx)
-        return mo_errorf(MO_EIO, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
-    TRY(zsock_open(d->ctx, ZS_LEARNER_CONTROL, t, &so, 0, &d->control));
-    TRY(zsock_open(d->ctx, ZS_LEARNER_WORK, t, &so, 0, &d->work));
-    TRY(zsock_open(d->ctx, ZS_LEARNER_SINK, t, &so, 0, &d->sink));
-    TRY(zsock_open(d->ctx, ZS_LEARNER_WEIGHTS, t, &so, 0, &d->weights));
-    return MO_OK;
+    zsock_ctx_t *c = &d->zc;
+    TRY(zsock_ctx_open(c, &d->cfg->transport, NULL, true));
+    d->ctx = c->ctx;
+    TRY(zsock_ctx_socket(c, ZS_LEARNER_CONTROL, 0, &d->control));
+    TRY(zsock_ctx_socket(c, ZS_LEARNER_WORK, 0, &d->work));
+    TRY(zsock_ctx_socket(c, ZS_LEARNER_SINK, 0, &d->sink));
+    return zsock_ctx_socket(c, ZS_LEARNER_WEIGHTS, 0, &d->weights);
 }
 
 static int start_metrics(ld_t *d) {
@@ -1000,6 +1016,7 @@ static int load(ld_t *d) {
     const moerl_config_t *c = d->cfg;
     trainer_opts_t to = trainer_opts_default();
     to.init_adapter = d->o->init_adapter;
+    to.comm = d->o->comm;
     int rc = trainer_new(&d->t, c, NULL, &to);
     if (rc < 0)
         return mo_error_wrap(rc, "trainer (model.path %s)", c->model.path);
@@ -1027,12 +1044,6 @@ static int load(ld_t *d) {
 
 static int setup(ld_t *d) {
     const moerl_config_t *c = d->cfg;
-    if (c->learner.ranks > 1)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "learner.ranks is %d: expert-parallel learner daemons are not supported "
-                         "yet (the expert-parallel MoE layer exists in moe/moe_ep.h but is not "
-                         "wired into the actor); set learner.ranks: 1",
-                         c->learner.ranks);
     TRY(config_run_dir(c, d->run_dir, sizeof d->run_dir));
     TRY(metrics_new(&d->m, "learner"));
     register_metrics(d);
@@ -1052,12 +1063,8 @@ static int setup(ld_t *d) {
 
 static void teardown(ld_t *d) {
     loop_destroy(&d->loop); /* joins the worker: a step in progress finishes */
-    zsock_close(&d->control);
-    zsock_close(&d->work);
-    zsock_close(&d->sink);
-    zsock_close(&d->weights);
-    if (d->ctx)
-        zmq_ctx_term(d->ctx);
+    zsock_ctx_close(&d->zc); /* every socket, the ZAP handler, the context */
+    d->ctx = NULL;
     while (d->leases)
         ld_lease_unlink(d, d->leases);
     while (d->active) {

@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 
+#include "core/comm.h"
 #include "core/config.h"
 
 #ifdef __cplusplus
@@ -13,7 +14,8 @@ extern "C" {
 #endif
 
 /* Lifecycle (docs/daemons.md):
- *   start: refuse learner.ranks > 1; build the trainer (model, adapter, optimizer) and
+ *   start: build the trainer (model, adapter, optimizer; with comm, rank 0's shard of an
+ *          expert-parallel trainer whose other ranks run ep_follow, learner/ep_learner.h) and
  *          the prompt stream; with resume, load the run's latest checkpoint (adapter,
  *          optimizer, step, policy version, prompt cursor); bind the control ROUTER,
  *          work ROUTER, trajectory PULL and weights PUB; then "ready" (log line, and
@@ -36,12 +38,13 @@ typedef struct learner_daemon_opts {
     const char *init_adapter;  /* PEFT directory to start from, or NULL */
     int ready_fd;              /* >= 0: "ready\n" is written there once bound, then closed */
     int metrics_port;          /* -1: metrics.http_port; 0: off; else this port */
+    comm_t *comm;              /* learner.ranks > 1: the job's ranks (this is rank 0), or NULL */
 } learner_daemon_opts_t;
 
 void learner_daemon_opts_default(learner_daemon_opts_t *o, const moerl_config_t *cfg);
 
 /* Runs the daemon until the run ends or it is stopped. MO_OK when it ended cleanly;
- * an error (with its message) when it cannot start (ranks > 1, model, checkpoint,
+ * an error (with its message) when it cannot start (model, checkpoint,
  * endpoint in use, metrics port) or training fails. A second signal returns
  * MO_ESTATE. */
 int learner_daemon_run(const learner_daemon_opts_t *o);

@@ -9,7 +9,9 @@
 
 #include "core/rng.h"
 #include "core/status.h"
+#include "learner/ep_shard.h"
 #include "lora/peft.h"
+#include "moe/moe_ep.h"
 
 /* One kept sample: the sequence prompt + completion. */
 typedef struct seq {
@@ -33,6 +35,12 @@ typedef struct mb {
     uint8_t *has_rec;                  /* (T) */
     uint16_t *replay, *route, *rec;    /* (T, M, K) */
     float *adv;                        /* (B) */
+    /* Expert parallelism: this rank's run of sequences b0 .. b1 - 1 (tokens t0 .. t1 - 1)
+     * of the last forward, and staging buffers for the all-gathers. */
+    int b0, b1, t0, t1;
+    int32_t *cu_loc; /* (B + 1) */
+    float *stage;    /* (T) */
+    uint16_t *stage16; /* (T, M, K) */
 } mb_t;
 
 struct trainer_work {
@@ -75,7 +83,7 @@ struct trainer_work {
     } while (0)
 
 trainer_opts_t trainer_opts_default(void) {
-    trainer_opts_t o = {NULL, TRAINER_MISMATCH_DROP_SAMPLES, 1};
+    trainer_opts_t o = {NULL, TRAINER_MISMATCH_DROP_SAMPLES, 1, NULL};
     return o;
 }
 
@@ -158,6 +166,23 @@ uint64_t trainer_lora_seed(const moerl_config_t *cfg) {
     return rng_stream_id("lora.init", (uint64_t)cfg->run.seed, 0);
 }
 
+/* Expert parallelism: this rank's shard of the adapter (and of the initial one). */
+static int make_shard(trainer_t *t, const lora_config_t *lc) {
+    const model_t *m = t->model;
+    TRY(ep_shard_new(&t->ep, t->comm, lc, m->modules, m->n_modules, m->n_moe > 0 ? m->E : 0,
+                     &t->adapter));
+    if (!t->opts.init_adapter)
+        return MO_OK;
+    lora_adapter_t *whole = NULL;
+    TRY(ep_shard_full_new(t->ep, &whole));
+    int rc = peft_load(whole, t->opts.init_adapter);
+    if (rc == MO_OK)
+        ep_shard_extract(t->ep, whole->params, t->adapter->params);
+    lora_adapter_destroy(&whole);
+    return rc < 0 ? mo_error_wrap(rc, "trainer: initial adapter %s", t->opts.init_adapter)
+                  : MO_OK;
+}
+
 static int make_adapter(trainer_t *t, const moerl_config_t *cfg) {
     lora_config_t lc = {.rank = cfg->lora.rank,
                         .alpha = (float)cfg->lora.alpha,
@@ -167,6 +192,8 @@ static int make_adapter(trainer_t *t, const moerl_config_t *cfg) {
                         .no_grads = 0,
                         .targets = (const char *const *)cfg->lora.targets.items,
                         .n_targets = cfg->lora.targets.n};
+    if (t->comm)
+        return make_shard(t, &lc);
     TRY(lora_adapter_new(&t->adapter, &lc, t->model->modules, t->model->n_modules));
     if (t->opts.init_adapter) {
         int rc = peft_load(t->adapter, t->opts.init_adapter);
@@ -190,6 +217,10 @@ int trainer_new(trainer_t **out, const moerl_config_t *cfg, model_t *model,
         model_opts_t mo = {.recompute = cfg->model.recompute};
         rc = model_open(&t->model, cfg->model.path, &mo);
         t->own_model = rc == MO_OK;
+    }
+    if (rc == MO_OK && t->opts.comm && comm_size(t->opts.comm) > 1) {
+        t->comm = t->opts.comm;
+        rc = model_set_comm(t->model, t->comm);
     }
     if (rc == MO_OK)
         rc = make_adapter(t, cfg);
@@ -239,6 +270,9 @@ void trainer_destroy(trainer_t **tp) {
         model_destroy(&t->model);
     lora_adapter_destroy(&t->adapter);
     optim_free(&t->optim);
+    lora_adapter_destroy(&t->whole);
+    optim_free(&t->whole_optim);
+    ep_shard_destroy(&t->ep);
     if (t->w) {
         arena_free(&t->w->ar);
         free(t->w);
@@ -468,6 +502,9 @@ static int mb_alloc(trainer_t *t) {
     ARENA_N(b->route, &w->ar, (size_t)cap * (row ? row : 1));
     ARENA_N(b->rec, &w->ar, (size_t)cap * (row ? row : 1));
     ARENA_N(b->adv, &w->ar, w->S);
+    ARENA_N(b->cu_loc, &w->ar, w->S + 1);
+    ARENA_N(b->stage, &w->ar, cap);
+    ARENA_N(b->stage16, &w->ar, (size_t)cap * (row ? row : 1));
     ARENA_N(w->order, &w->ar, w->S);
     ARENA_N(w->starts, &w->ar, w->S + 1);
     return MO_OK;
@@ -505,21 +542,70 @@ static void mb_gather(trainer_t *t, const int *order, int i0, int i1) {
     model_batch_next_token(b->pos, b->tgt, b->tokens, b->cu, b->B);
 }
 
-/* Forward of the gathered micro-batch: replay (T, M, K) or NULL, routing out or NULL. */
+/* Rank r's run of the micro-batch's sequences: b0 .. b1 - 1. */
+static void mb_run(const trainer_t *t, const mb_t *b, int r, int *b0, int *b1) {
+    int N = t->comm ? comm_size(t->comm) : 1;
+    *b0 = (int)((int64_t)b->B * r / N);
+    *b1 = (int)((int64_t)b->B * (r + 1) / N);
+}
+
+/* Every rank's part of buf (T rows of `width` elements of dt, this rank's rows at t0 ..
+ * t1 - 1) into buf on every rank, through stage. */
+static int mb_allgather(trainer_t *t, void *buf, void *stage, size_t width, dtype_t dt) {
+    mb_t *b = &t->w->mb;
+    int N = comm_size(t->comm);
+    int64_t *counts = malloc(sizeof *counts * 2 * (size_t)N), *displs = counts + N;
+    if (!counts)
+        return mo_errorf(MO_ENOMEM, "trainer: out of memory for %d ranks", N);
+    for (int r = 0; r < N; r++) {
+        int b0, b1;
+        mb_run(t, b, r, &b0, &b1);
+        counts[r] = (int64_t)(b->cu[b1] - b->cu[b0]) * (int64_t)width;
+        displs[r] = (int64_t)b->cu[b0] * (int64_t)width;
+    }
+    size_t es = dtype_size(dt);
+    int64_t mine = counts[comm_rank(t->comm)];
+    memcpy(stage, (char *)buf + (size_t)displs[comm_rank(t->comm)] * es, (size_t)mine * es);
+    int rc = comm_allgatherv(t->comm, stage, mine, buf, counts, displs, dt);
+    free(counts);
+    return rc;
+}
+
+/* Forward of the gathered micro-batch: replay (T, M, K) or NULL, routing out or NULL.
+ * With expert parallelism this rank forwards its run of sequences and the outputs of
+ * every rank's run are all-gathered into b->logp, ent and routing. */
 static int mb_forward(trainer_t *t, const uint16_t *replay, uint16_t *routing, float *ent,
                       int for_backward) {
     mb_t *b = &t->w->mb;
-    model_batch_t mbatch = {.T = b->T,
-                            .B = b->B,
-                            .tokens = b->tokens,
-                            .positions = b->pos,
-                            .cu_seqlens = b->cu,
-                            .targets = b->tgt,
+    size_t row = (size_t)t->M * t->K;
+    b->b0 = 0;
+    b->b1 = b->B;
+    if (t->comm)
+        mb_run(t, b, comm_rank(t->comm), &b->b0, &b->b1);
+    b->t0 = b->cu[b->b0];
+    b->t1 = b->cu[b->b1];
+    for (int i = b->b0; i <= b->b1; i++)
+        b->cu_loc[i - b->b0] = b->cu[i] - b->t0;
+    model_batch_t mbatch = {.T = b->t1 - b->t0,
+                            .B = b->b1 - b->b0,
+                            .tokens = b->tokens + b->t0,
+                            .positions = b->pos + b->t0,
+                            .cu_seqlens = b->cu_loc,
+                            .targets = b->tgt + b->t0,
                             .temperature = t->temperature,
-                            .replay = replay,
-                            .routing = routing};
+                            .replay = replay ? replay + (size_t)b->t0 * row : NULL,
+                            .routing = routing ? routing + (size_t)b->t0 * row : NULL};
     t->w->fwd_tokens += b->T;
-    return model_forward(t->model, &mbatch, b->logp, ent, for_backward);
+    TRY(model_forward(t->model, &mbatch, b->logp + b->t0, ent ? ent + b->t0 : NULL,
+                      for_backward));
+    if (!t->comm)
+        return MO_OK;
+    TRY(mb_allgather(t, b->logp, b->stage, 1, DT_F32));
+    if (ent)
+        TRY(mb_allgather(t, ent, b->stage, 1, DT_F32));
+    if (routing)
+        TRY(mb_allgather(t, routing, b->stage16, row, DT_U16));
+    return MO_OK;
 }
 
 static int same_set(const uint16_t *a, const uint16_t *b, int K) {
@@ -712,7 +798,8 @@ static int train_mb(trainer_t *t, int i0, int i1, const pl_norm_t *norm, pl_metr
                      .adv = b->adv,
                      .mask = b->mask};
     TRY(policy_loss(b->dlogp, want_ent ? b->dent : NULL, um, &pb, &t->pl, norm));
-    return model_backward(t->model, b->dlogp, want_ent ? b->dent : NULL);
+    /* This rank's run only (all of it on one rank). */
+    return model_backward(t->model, b->dlogp + b->t0, want_ent ? b->dent + b->t0 : NULL);
 }
 
 /* One optimizer update over the minibatch order[lo..hi). */
@@ -730,7 +817,13 @@ static int update(trainer_t *t, int lo, int hi, pl_metrics_t *tot, trainer_metri
     for (int k = 0; k < nb; k++)
         TRY(train_mb(t, lo + w->starts[k], lo + w->starts[k + 1], &norm, &um));
     optim_result_t res;
-    TRY(optim_step(&t->optim, t->adapter->params, t->adapter->grads, um.loss, NULL, &res));
+    double sq = 0.0;
+    if (t->comm) { /* replicated gradients summed, the norm over every shard */
+        TRY(moe_ep_allreduce_replicated(t->comm, t->adapter));
+        TRY(ep_shard_grad_sqsum(t->ep, t->adapter->grads, &sq));
+    }
+    TRY(optim_step(&t->optim, t->adapter->params, t->adapter->grads, um.loss,
+                   t->comm ? &sq : NULL, &res));
     pl_metrics_add(tot, &um);
     if (res.outcome == OPTIM_APPLIED) {
         m->updates++;
@@ -902,4 +995,48 @@ int trainer_sample_logprobs(trainer_t *t, const sample_group_t *g, int s, float 
     memcpy(out, w->old + g->prompt_len - 1, sizeof(float) * (size_t)one.n_tokens);
     w->S = 0;
     return MO_OK;
+}
+
+/* ---- Expert parallelism -------------------------------------------------- */
+
+int trainer_rank(const trainer_t *t) {
+    return t->comm ? comm_rank(t->comm) : 0;
+}
+
+int trainer_ranks(const trainer_t *t) {
+    return t->comm ? comm_size(t->comm) : 1;
+}
+
+/* The whole adapter (and AdamW state when with_optim) on rank 0. */
+static int gather_whole(trainer_t *t, int with_optim) {
+    int root = comm_rank(t->comm) == 0;
+    if (root && !t->whole)
+        TRY(ep_shard_full_new(t->ep, &t->whole));
+    if (root && with_optim && !t->whole_optim.m)
+        TRY(optim_init(&t->whole_optim, t->whole->n_params, &t->optim.hp, t->optim.k));
+    return ep_shard_gather_state(t->ep, t->adapter, with_optim ? &t->optim : NULL,
+                                 root ? t->whole : NULL, root ? &t->whole_optim : NULL);
+}
+
+int trainer_whole_state(trainer_t *t, const lora_adapter_t **ad, const optim_t **o) {
+    *ad = NULL;
+    if (o)
+        *o = NULL;
+    if (!t->comm) {
+        *ad = t->adapter;
+        if (o)
+            *o = &t->optim;
+        return MO_OK;
+    }
+    TRY(gather_whole(t, o != NULL));
+    if (comm_rank(t->comm) == 0) {
+        *ad = t->whole;
+        if (o)
+            *o = &t->whole_optim;
+    }
+    return MO_OK;
+}
+
+int trainer_whole_adapter(trainer_t *t, const lora_adapter_t **out) {
+    return trainer_whole_state(t, out, NULL);
 }

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "actor/model.h"
+#include "core/comm.h"
 #include "core/config.h"
 #include "learner/advantage.h"
 #include "learner/optim.h"
@@ -52,7 +53,21 @@ typedef struct trainer_opts {
     int mismatch_mode;        /* trainer_mismatch_mode_t */
     int measure_routing;      /* 1: measure routing agreement every step; with routing replay
                                * that costs one more forward without gradients */
+    comm_t *comm;             /* expert parallelism over these ranks (borrowed), or NULL */
 } trainer_opts_t;
+
+/* Expert parallelism (opts.comm with N > 1 ranks; docs/parallelism.md): each rank holds
+ * E / N routed experts of every MoE layer (model_set_comm) and an adapter shard with the
+ * replicated entries and its experts' entries (learner/ep_shard.h); t->adapter and
+ * t->optim are that shard. trainer_step, trainer_sample_logprobs and
+ * trainer_whole_adapter are then collective: every rank calls them in the same order with
+ * the same groups. Every rank does the same bookkeeping (filters, advantages, packing,
+ * permutations); each micro-batch's sequences are split over the ranks in order
+ * (contiguous runs of about B / N), each rank forwards and backpropagates its run, the
+ * per-token outputs are all-gathered so the loss and its global normaliser are computed
+ * on the whole micro-batch, replicated gradients are all-reduced, and AdamW runs on each
+ * shard with the global gradient norm. Results match one rank up to float summation
+ * order. */
 
 /* init_adapter NULL, drop samples, measure_routing 1. */
 trainer_opts_t trainer_opts_default(void);
@@ -144,6 +159,10 @@ typedef struct trainer {
     double *agreement; /* (M) */
     double *imbalance; /* (M) */
     trainer_work_t *w;
+    comm_t *comm;             /* expert parallelism (N > 1 ranks), or NULL */
+    struct ep_shard *ep;      /* the shard plan with comm */
+    lora_adapter_t *whole;    /* rank 0 with comm: the whole adapter (trainer_whole_adapter) */
+    optim_t whole_optim;      /* ... and its AdamW state (trainer_whole_state) */
 } trainer_t;
 
 /* FNV-1a of the config keys that change what a step computes (run.seed, model.dtype,
@@ -171,6 +190,18 @@ void trainer_destroy(trainer_t **t);
  * was already applied; the counters say so). */
 int trainer_step(trainer_t *t, const sample_group_t *const *groups, int n_groups,
                  trainer_metrics_t *m);
+
+/* The whole adapter (PEFT layout, every entry): t->adapter on one rank. With expert
+ * parallelism this is collective and gathers the shards on rank 0: *out is the whole
+ * adapter there (owned by the trainer, valid until the next call) and NULL elsewhere. */
+int trainer_whole_adapter(trainer_t *t, const lora_adapter_t **out);
+
+/* As trainer_whole_adapter, with the whole AdamW state (*o) too, for a checkpoint. */
+int trainer_whole_state(trainer_t *t, const lora_adapter_t **ad, const optim_t **o);
+
+/* Rank and size of the trainer's communicator (0 and 1 without one). */
+int trainer_rank(const trainer_t *t);
+int trainer_ranks(const trainer_t *t);
 
 /* Per-token log-probabilities of sample s of group g under the current policy (adapters
  * on, routing replay as configured, the rollout temperature): out (n) for its n completion

@@ -351,7 +351,7 @@ static void test_bad_start(void) {
     const char *a7[] = {"reward", k.cfg, "--set", "reward.function=no_such_reward", NULL};
     expect_failure(log, a7, 1, "no_such_reward");
     const char *a8[] = {"learner", k.cfg, "--set", "learner.ranks=2", NULL};
-    expect_failure(log, a8, 1, "expert-parallel learner daemons are not supported yet");
+    expect_failure(log, a8, 1, "learner.ranks is 2 but 1 rank(s) were started");
     const char *a9[] = {"learner", "--help", NULL};
     expect_failure(log, a9, 0, "--resume");
 }

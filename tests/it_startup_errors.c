@@ -1,7 +1,7 @@
 /* Integration: daemons and `moerl run` started with a bad config, an endpoint already in
  * use, or CURVE keys missing fail at once, exit 1 and say which key or endpoint is wrong;
- * `moerl run` starts nothing then. A learner with learner.ranks 2 goes through mpirun and
- * its refusal is reported as the learner's error. */
+ * `moerl run` starts nothing then. A learner whose learner.ranks does not divide the
+ * experts goes through mpirun and its refusal is reported as the learner's error. */
 #include <sys/stat.h>
 
 #include "tests/it_job.h"
@@ -136,10 +136,11 @@ static void test_ranks_through_mpirun(void) {
     setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
     setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
     const char *exe = tu_moerl_exe();
-    const char *run[] = {exe, "run", j.config, "--set", "learner.ranks=2", "--no-status", NULL};
-    /* The learner's own refusal is what the job failure names. */
+    /* 3 ranks cannot share the tiny model's 8 experts: every rank refuses, and the
+     * learner's own message is what the job failure names. */
+    const char *run[] = {exe, "run", j.config, "--set", "learner.ranks=3", "--no-status", NULL};
     expect_fail(run_to_end(&j, "run.out", run), "the job failed: learner exited with status",
-                "moerl learner: learner.ranks");
+                "cannot be split evenly over N = 3 ranks");
     it_close(&j);
 }
 
