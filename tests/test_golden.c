@@ -42,17 +42,20 @@ typedef struct gcase {
     int rslora;        /* adapter scale alpha / sqrt(R) */
     float temperature; /* of the logprobs */
     float aux_coef;    /* moerl's balance-loss coefficient (model_opts_t.aux_coef) */
+    int aux_pool;      /* model_set_aux_pool: against transformers' load_balancing_loss_func */
 } gcase_t;
 
 static const gcase_t g_cases[] = {
-    {"qwen3_moe-f32", ARCH_QWEN3_MOE, DT_F32, 0, 0, 1.0f, 0.0f},
-    {"qwen3_moe-bf16", ARCH_QWEN3_MOE, DT_BF16, 0, 1, 0.7f, 0.0f},
-    {"mixtral-f32", ARCH_MIXTRAL, DT_F32, 0, 0, 1.0f, 0.01f},
-    {"mixtral-bf16", ARCH_MIXTRAL, DT_BF16, 0, 0, 1.3f, 0.0f},
-    {"qwen3_moe-variant", ARCH_QWEN3_MOE, DT_F32, 1, 0, 0.9f, 0.02f},
-    {"mixtral-variant", ARCH_MIXTRAL, DT_BF16, 1, 1, 1.0f, 0.0f},
-    {"deepseek_v3-f32", ARCH_DEEPSEEK_V3, DT_F32, 0, 0, 1.0f, 0.0f},
-    {"deepseek_v3-variant", ARCH_DEEPSEEK_V3, DT_BF16, 1, 1, 0.8f, 0.01f},
+    {"qwen3_moe-f32", ARCH_QWEN3_MOE, DT_F32, 0, 0, 1.0f, 0.0f, 0},
+    {"qwen3_moe-bf16", ARCH_QWEN3_MOE, DT_BF16, 0, 1, 0.7f, 0.0f, 0},
+    {"mixtral-f32", ARCH_MIXTRAL, DT_F32, 0, 0, 1.0f, 0.01f, 0},
+    {"mixtral-bf16", ARCH_MIXTRAL, DT_BF16, 0, 0, 1.3f, 0.0f, 0},
+    {"qwen3_moe-variant", ARCH_QWEN3_MOE, DT_F32, 1, 0, 0.9f, 0.02f, 0},
+    {"mixtral-variant", ARCH_MIXTRAL, DT_BF16, 1, 1, 1.0f, 0.0f, 0},
+    {"deepseek_v3-f32", ARCH_DEEPSEEK_V3, DT_F32, 0, 0, 1.0f, 0.0f, 0},
+    {"deepseek_v3-variant", ARCH_DEEPSEEK_V3, DT_BF16, 1, 1, 0.8f, 0.01f, 0},
+    {"qwen3_moe-aux-pooled", ARCH_QWEN3_MOE, DT_F32, 1, 0, 1.0f, 0.05f, 1},
+    {"mixtral-aux-pooled", ARCH_MIXTRAL, DT_F32, 0, 0, 1.0f, 0.02f, 1},
 };
 
 /* AdamW hyperparameters of the parameter comparison. */
@@ -220,7 +223,7 @@ static int write_inputs(const char *path, const gbatch_t *b, const gcase_t *gc) 
         {"dlogp", tensor_view((void *)b->dlogp, DT_F32, DEV_CPU, 1, sT)},
         {"dentropy", tensor_view((void *)b->dent, DT_F32, DEV_CPU, 1, sT)},
     };
-    char v[8][32];
+    char v[9][32];
     snprintf(v[0], 32, "%.9g", (double)gc->temperature);
     snprintf(v[1], 32, "%.9g", (double)gc->aux_coef);
     snprintf(v[2], 32, "%d", ADAMW_STEPS);
@@ -229,10 +232,11 @@ static int write_inputs(const char *path, const gbatch_t *b, const gcase_t *gc) 
     snprintf(v[5], 32, "%.9g", (double)g_b2);
     snprintf(v[6], 32, "%.9g", (double)g_eps);
     snprintf(v[7], 32, "%.9g", (double)g_wd);
-    st_meta_t meta[8] = {{"temperature", v[0]}, {"aux_coef", v[1]}, {"adamw_steps", v[2]},
+    snprintf(v[8], 32, "%d", gc->aux_pool);
+    st_meta_t meta[9] = {{"temperature", v[0]}, {"aux_coef", v[1]}, {"adamw_steps", v[2]},
                          {"lr", v[3]},          {"beta1", v[4]},    {"beta2", v[5]},
-                         {"eps", v[6]},         {"weight_decay", v[7]}};
-    return st_write(path, it, 6, meta, 8);
+                         {"eps", v[6]},         {"weight_decay", v[7]}, {"aux_pool", v[8]}};
+    return st_write(path, it, 6, meta, 9);
 }
 
 /* The golden tensor `name` as f32 with n elements, or NULL (reported). */
@@ -284,6 +288,7 @@ static int ctx_open(gctx_t *x, const gcase_t *gc) {
         return -1;
     model_opts_t o = {0, 0, gc->aux_coef};
     TRY(model_open(&x->m, model, &o));
+    TRY(model_set_aux_pool(x->m, gc->aux_pool));
     TRY(make_adapter(&x->ad, x->m, gc));
     TRY(peft_save(x->ad, adapter, NULL));
     make_batch(&x->b, x->m->V, 31);
@@ -450,6 +455,8 @@ static void test_qwen3_variant(void) { run_case(&g_cases[4]); }
 static void test_mixtral_variant(void) { run_case(&g_cases[5]); }
 static void test_deepseek_f32(void) { run_case(&g_cases[6]); }
 static void test_deepseek_variant(void) { run_case(&g_cases[7]); }
+static void test_qwen3_aux_pool(void) { run_case(&g_cases[8]); }
+static void test_mixtral_aux_pool(void) { run_case(&g_cases[9]); }
 
 int main(void) {
     if (!torch_available()) {
@@ -470,6 +477,8 @@ int main(void) {
         {"mixtral variant: window, llama3 rope, bf16, rsLoRA", test_mixtral_variant},
         {"deepseek_v3 f32 preset: MLA, shared expert, groups", test_deepseek_f32},
         {"deepseek_v3 variant: q_proj, yarn, bias, bf16", test_deepseek_variant},
+        {"qwen3_moe variant, balance loss pooled over layers (HF)", test_qwen3_aux_pool},
+        {"mixtral f32 preset, balance loss pooled over layers (HF)", test_mixtral_aux_pool},
         CU_TEST_INFO_NULL,
     };
     int rc = tu_main("golden", tests);

@@ -216,6 +216,56 @@ static void run_fd(fx_kind_t kind, float aux) {
     fx_close(&f);
 }
 
+/* The balance loss pooled over the MoE layers (model_set_aux_pool) alone: its LoRA
+ * gradient against central differences; the per-layer shares sum to a positive loss that
+ * differs from the per-layer form's. */
+static void run_fd_pool(fx_kind_t kind) {
+    fx_t f;
+    model_opts_t o = {0, 0, 0.05f};
+    fx_open(&f, kind, &o, 0.15f);
+    for (int t = 0; t < f.T; t++)
+        f.a[t] = f.b[t] = 0.0f;
+    float logp[MAXT], ent[MAXT];
+    fx_forward(&f, f.m, logp, ent, NULL, NULL, 0);
+    double per_layer = model_aux_loss(f.m);
+    CU_ASSERT_EQUAL_FATAL(model_set_aux_pool(f.m, 2), MO_EINVAL);
+    CU_ASSERT_EQUAL_FATAL(model_set_aux_pool(f.m, 1), MO_OK);
+    fx_forward(&f, f.m, logp, ent, NULL, NULL, 0);
+    double pooled = model_aux_loss(f.m);
+    CU_ASSERT(pooled > 0.0 && fabs(pooled - per_layer) > 1e-6 * per_layer);
+    int checked = 0;
+    double err = fd_check(&f, 48, 1e-3f, &checked);
+    if (checked < 36)
+        tu_report("only %d of 48 finite-difference samples kept their routing", checked);
+    CU_ASSERT(checked >= 36);
+    TU_ASSERT_CLOSE(err, 1e-2,
+                    kind == FX_QWEN3 ? "qwen3 pooled balance loss LoRA gradient"
+                                     : "mixtral pooled balance loss LoRA gradient");
+    /* With recompute: the same pooled loss and the same gradient bits. */
+    model_t *rm = NULL;
+    model_opts_t ro = {1, 0, 0.05f};
+    CU_ASSERT_EQUAL_FATAL(model_open(&rm, f.dir, &ro), 0);
+    CU_ASSERT_EQUAL_FATAL(model_set_adapter(rm, f.ad), 0);
+    CU_ASSERT_EQUAL_FATAL(model_set_aux_pool(rm, 1), 0);
+    size_t n = f.ad->n_params;
+    float *g0 = malloc(sizeof(float) * n);
+    fx_gradient(&f);
+    memcpy(g0, f.ad->grads, sizeof(float) * n);
+    fx_forward(&f, rm, logp, ent, NULL, NULL, 1);
+    CU_ASSERT((double)model_aux_loss(rm) == pooled);
+    lora_adapter_zero_grads(f.ad);
+    CU_ASSERT_EQUAL_FATAL(model_backward(rm, f.a, f.b), 0);
+    CU_ASSERT(memcmp(g0, f.ad->grads, sizeof(float) * n) == 0);
+    free(g0);
+    model_destroy(&rm);
+    fx_close(&f);
+}
+
+static void test_fd_aux_pool(void) {
+    run_fd_pool(FX_QWEN3);
+    run_fd_pool(FX_MIXTRAL);
+}
+
 static void test_fd_qwen3(void) {
     run_fd(FX_QWEN3, 0.0f);
 }
@@ -567,6 +617,7 @@ int main(void) {
         {"fd_qwen3", test_fd_qwen3},
         {"fd_mixtral_window", test_fd_mixtral_window},
         {"fd_aux_loss", test_fd_aux_loss},
+        {"fd_aux_pool", test_fd_aux_pool},
         {"fd_deepseek_moe_path", test_fd_deepseek_moe_path},
         {"recompute_identical", test_recompute_identical},
         {"replay", test_replay},

@@ -8,8 +8,10 @@ IN holds the batch and the loss:
   dlogp (T) F32, dentropy (T) F32: the loss is
       loss = sum_t dlogp[t] logp[t] + sum_t dentropy[t] entropy[t] + aux,
   aux = sum over MoE layers of aux_coef * E * sum_e f_e P_e (moerl's balance loss; 0 when
-  aux_coef is 0); metadata: temperature, aux_coef, and the AdamW run: adamw_steps, lr,
-  beta1, beta2, eps, weight_decay.
+  aux_coef is 0), or with aux_pool = 1 transformers' load_balancing_loss_func over all
+  MoE layers times aux_coef / K (softmax routers); metadata: temperature, aux_coef,
+  aux_pool (0 if absent), and the AdamW run: adamw_steps, lr, beta1, beta2, eps,
+  weight_decay.
 
 OUT holds:
   logp (T), entropy (T), loss (1), aux_loss (1), aux_loss_hf (1): transformers' pooled
@@ -38,7 +40,9 @@ def loss_of(model, batch, meta, routing):
     loss = (batch["dlogp"] * logp).sum() + (batch["dentropy"] * ent).sum()
     aux = torch.zeros(())
     coef = float(meta.get("aux_coef", "0"))
-    if coef > 0 and routing:
+    if coef > 0 and routing and meta.get("aux_pool", "0") == "1":
+        aux = tm.balance_loss_hf(routing, model.cfg.E, model.cfg.K, coef / model.cfg.K)
+    elif coef > 0 and routing:
         aux = tm.balance_loss_per_layer(routing, model.cfg.E, model.cfg.K, coef,
                                         model.cfg.scoring == "sigmoid")
     return logp, ent, loss + aux, aux
