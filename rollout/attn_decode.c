@@ -380,3 +380,64 @@ void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
         group_task(out, q, c, l, seqs, pos, r0, r1, S, H, kvh, scale, window);
     }
 }
+
+/* Slots scored at once by attn_decode_latent (a block is taken in chunks of this). */
+#define LAT_CHUNK 64
+
+/* out (Dc) = the latent attention of one query q (W) over positions 0 .. p of seq, with
+ * an online softmax over chunks of slots: m the running max, sum the running denominator;
+ * out holds the unnormalised weighted sum until the end. */
+static void latent_task(float *out, const float *q, const kv_cache_t *c, int l, const kv_seq_t *seq,
+                        int p, int Dc, float scale) {
+    size_t BS = (size_t)c->block_tokens, W = (size_t)c->Dh;
+    float m = -INFINITY, sum = 0.0f, s[LAT_CHUNK];
+    memset(out, 0, sizeof(float) * (size_t)Dc);
+    for (int j0 = 0; j0 <= p; j0 += LAT_CHUNK) {
+        int n = p + 1 - j0 < LAT_CHUNK ? p + 1 - j0 : LAT_CHUNK;
+        float cm = -INFINITY;
+        for (int o = 0; o < n; o++) {
+            int j = j0 + o;
+            const float *kt = kv_k_block(c, l, seq->blocks[j / (int)BS]) + (size_t)(j % (int)BS);
+            float a = 0.0f;
+            for (size_t d = 0; d < W; d++)
+                a += q[d] * kt[d * BS];
+            s[o] = a * scale;
+            cm = s[o] > cm ? s[o] : cm;
+        }
+        if (cm > m) {
+            float r = expf(m - cm); /* 0 on the first chunk */
+            sum *= r;
+            for (int d = 0; d < Dc; d++)
+                out[d] *= r;
+            m = cm;
+        }
+        for (int o = 0; o < n; o++) {
+            int j = j0 + o;
+            const float *kt = kv_k_block(c, l, seq->blocks[j / (int)BS]) + (size_t)(j % (int)BS);
+            float e = expf(s[o] - m);
+            sum += e;
+            for (int d = 0; d < Dc; d++)
+                out[d] += e * kt[(size_t)d * BS];
+        }
+    }
+    float inv = 1.0f / sum;
+    for (int d = 0; d < Dc; d++)
+        out[d] *= inv;
+}
+
+void attn_decode_latent(float *out, const float *q, const kv_cache_t *c, int l,
+                        const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, int Dc,
+                        float scale) {
+    MO_ASSERT(c->Hkv == 1 && !c->v && Dc >= 1 && Dc <= c->Dh && l >= 0 && l < c->L);
+    size_t work = 0, W = (size_t)c->Dh;
+    for (int i = 0; i < N; i++) {
+        MO_ASSERT(pos[i] >= 0 && pos[i] < seqs[i]->len);
+        work += (size_t)(pos[i] + 1) * (size_t)H;
+    }
+    int tasks = N * H;
+#pragma omp parallel for schedule(dynamic, 1) if (work > PAR_MIN)
+    for (int t = 0; t < tasks; t++) {
+        int i = t / H;
+        latent_task(out + (size_t)t * Dc, q + (size_t)t * W, c, l, seqs[i], pos[i], Dc, scale);
+    }
+}

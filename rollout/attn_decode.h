@@ -1,5 +1,6 @@
 /* attn_decode: grouped-query attention of new tokens over their sequences' cached keys
- * and values (paged KV cache), with sliding windows, on the CPU. */
+ * and values (paged KV cache), with sliding windows, and multi-head latent attention over
+ * a latent cache, on the CPU. */
 #ifndef MOERL_ROLLOUT_ATTN_DECODE_H
 #define MOERL_ROLLOUT_ATTN_DECODE_H
 
@@ -28,6 +29,16 @@ extern "C" {
 void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
                          const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
                          int window);
+
+/* Multi-head latent attention over a latent cache (kv_cache_init_latent: one row of
+ * W = c->Dh floats per token). Row i, head h: out[i, h] (Dc) = sum_j softmax_j(scale *
+ * q[i, h] . r_j) r_j[0 .. Dc-1] over the positions 0 <= j <= pos[i] of seqs[i], r_j the
+ * cached row; q (N, H, W). With r_j = [c_kv | k_pe] and q = [q_nope W_UK | q_pe] this is
+ * the absorbed form of MLA's attention, before the values' up-projection. Work is split
+ * over (row, head) pairs; a pair's arithmetic does not depend on the thread count. */
+void attn_decode_latent(float *out, const float *q, const kv_cache_t *c, int l,
+                        const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, int Dc,
+                        float scale);
 
 #ifdef __cplusplus
 }

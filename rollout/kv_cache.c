@@ -6,7 +6,9 @@
 
 #include "core/status.h"
 
-int kv_cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens, int block_tokens) {
+/* values 0: a keys-only cache (no value array). */
+static int cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens,
+                      int block_tokens, int values) {
     memset(c, 0, sizeof *c);
     if (block_tokens == 0)
         block_tokens = KV_BLOCK_TOKENS;
@@ -27,20 +29,32 @@ int kv_cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens, 
     c->row = (size_t)Hkv * (size_t)Dh;
     size_t floats = (size_t)L * (size_t)nb * (size_t)block_tokens * c->row;
     c->k = malloc(sizeof(float) * floats);
-    c->v = malloc(sizeof(float) * floats);
+    c->v = values ? malloc(sizeof(float) * floats) : NULL;
     c->ref = calloc((size_t)nb, sizeof *c->ref);
     c->free_blocks = malloc(sizeof *c->free_blocks * (size_t)nb);
-    if (!c->k || !c->v || !c->ref || !c->free_blocks) {
+    if (!c->k || (values && !c->v) || !c->ref || !c->free_blocks) {
         kv_cache_free(c);
         return mo_errorf(MO_ENOMEM, "kv cache: out of memory for %lld tokens (%.1f MiB)",
                          (long long)budget_tokens,
-                         2.0 * sizeof(float) * (double)floats / 1048576.0);
+                         (values ? 2.0 : 1.0) * sizeof(float) * (double)floats / 1048576.0);
     }
     /* Popped from the end: block 0 first. */
     for (int i = 0; i < c->n_blocks; i++)
         c->free_blocks[i] = c->n_blocks - 1 - i;
     c->n_free = c->n_blocks;
     return MO_OK;
+}
+
+int kv_cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens, int block_tokens) {
+    return cache_init(c, L, Hkv, Dh, budget_tokens, block_tokens, 1);
+}
+
+int kv_cache_init_latent(kv_cache_t *c, int L, int width, int64_t budget_tokens, int block_tokens) {
+    return cache_init(c, L, 1, width, budget_tokens, block_tokens, 0);
+}
+
+size_t kv_cache_token_bytes(const kv_cache_t *c) {
+    return sizeof(float) * (size_t)c->L * c->row * (c->v ? 2u : 1u);
 }
 
 void kv_cache_free(kv_cache_t *c) {
@@ -147,7 +161,8 @@ int kv_seq_fork(kv_cache_t *c, kv_seq_t *dst, const kv_seq_t *src, int64_t *budg
         size_t n = (size_t)c->block_tokens * c->row; /* whole block: keys are transposed */
         for (int l = 0; l < c->L; l++) {
             memcpy(kv_k_block(c, l, b), kv_k_block(c, l, src->blocks[full]), sizeof(float) * n);
-            memcpy(kv_v_block(c, l, b), kv_v_block(c, l, src->blocks[full]), sizeof(float) * n);
+            if (c->v)
+                memcpy(kv_v_block(c, l, b), kv_v_block(c, l, src->blocks[full]), sizeof(float) * n);
         }
         dst->blocks[dst->n_blocks++] = b;
     }
@@ -172,6 +187,8 @@ float *kv_k_block(const kv_cache_t *c, int l, int32_t b) {
 }
 
 float *kv_v_block(const kv_cache_t *c, int l, int32_t b) {
+    if (!c->v)
+        return NULL;
     return c->v +
            (((size_t)l * (size_t)c->n_blocks + (size_t)b) * (size_t)c->block_tokens) * c->row;
 }
@@ -181,6 +198,7 @@ void kv_write(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const floa
     MO_ASSERT(pos >= 0 && pos < s->len);
     int32_t b = s->blocks[pos / c->block_tokens];
     MO_ASSERT(c->ref[b] == 1);
+    MO_ASSERT((v != NULL) == (c->v != NULL));
     size_t BS = (size_t)c->block_tokens, o = (size_t)(pos % c->block_tokens), Dh = (size_t)c->Dh;
     float *kb = kv_k_block(c, l, b), *vb = kv_v_block(c, l, b);
     for (size_t h = 0; h < (size_t)c->Hkv; h++) {
@@ -188,7 +206,8 @@ void kv_write(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const floa
         const float *kh = k + h * Dh;
         for (size_t d = 0; d < Dh; d++)
             kt[d * BS] = kh[d];
-        memcpy(vb + (h * BS + o) * Dh, v + h * Dh, sizeof(float) * Dh);
+        if (vb)
+            memcpy(vb + (h * BS + o) * Dh, v + h * Dh, sizeof(float) * Dh);
     }
 }
 
@@ -201,6 +220,7 @@ void kv_read(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, float *k, f
         const float *kt = kb + h * Dh * BS + o;
         for (size_t d = 0; d < Dh; d++)
             k[h * Dh + d] = kt[d * BS];
-        memcpy(v + h * Dh, vb + (h * BS + o) * Dh, sizeof(float) * Dh);
+        if (vb && v)
+            memcpy(v + h * Dh, vb + (h * BS + o) * Dh, sizeof(float) * Dh);
     }
 }

@@ -33,7 +33,7 @@ typedef struct kv_cache {
     int n_blocks;         /* NB */
     size_t row;           /* Hkv * Dh floats per token and layer */
     float *k;             /* (L, NB, Hkv, Dh, BS) */
-    float *v;             /* (L, NB, Hkv, BS, Dh) */
+    float *v;             /* (L, NB, Hkv, BS, Dh); NULL for a latent (keys-only) cache */
     int32_t *ref;         /* (NB) sequences holding each block; 0 = free */
     int32_t *free_blocks; /* (NB) stack of free block ids, n_free on it */
     int n_free;
@@ -50,6 +50,14 @@ typedef struct kv_seq {
 /* budget_tokens >= 1; block_tokens 0 means KV_BLOCK_TOKENS. The memory is allocated
  * once (untouched pages cost nothing until used). MO_ENOMEM names the bytes. */
 int kv_cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens, int block_tokens);
+/* A keys-only cache of one row of `width` floats per token and layer, stored as keys
+ * (1, width, BS) with no value array (v NULL): the compressed latent of multi-head latent
+ * attention, whose values are read from the same row (attn_decode_latent). kv_write and
+ * kv_read take v NULL for it; kv_v_block returns NULL. */
+int kv_cache_init_latent(kv_cache_t *c, int L, int width, int64_t budget_tokens, int block_tokens);
+/* Bytes the cache holds per token over all layers: L * row floats for a latent cache,
+ * twice that (keys and values) otherwise. */
+size_t kv_cache_token_bytes(const kv_cache_t *c);
 void kv_cache_free(kv_cache_t *c);
 
 /* Blocks needed to hold `tokens` positions: ceil(tokens / BS). */

@@ -1,11 +1,14 @@
 /* Tests for rollout/kv_cache: budget accounting in blocks, reservations that wait when
  * the cache is full and fail when they never fit, growing, rows stored and read back,
  * forks that share full blocks and copy the partial one, and freeing with the last
- * holder. */
+ * holder; the latent (keys-only) cache of MLA: its size per token, rows and forks, and
+ * attention over it with absorbed up-projections against the expanded keys and values. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/status.h"
+#include "rollout/attn_decode.h"
 #include "rollout/kv_cache.h"
 #include "tests/testutil.h"
 
@@ -176,12 +179,154 @@ static void test_wait_until_freed(void) {
     kv_cache_free(&c);
 }
 
+/* Latent cache: one row of W floats per token and layer, no values. */
+static void test_latent_rows(void) {
+    enum { W = 7 };
+    kv_cache_t c;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_init_latent(&c, L, W, 20, BS), 0);
+    CU_ASSERT_PTR_NULL(c.v);
+    CU_ASSERT_PTR_NULL(kv_v_block(&c, 0, 0));
+    CU_ASSERT_EQUAL(kv_cache_token_bytes(&c), sizeof(float) * L * W);
+    kv_cache_t e;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_init(&e, L, HKV, DH, 20, BS), 0);
+    CU_ASSERT_EQUAL(kv_cache_token_bytes(&e), 2 * sizeof(float) * L * HKV * DH);
+    kv_cache_free(&e);
+    CU_ASSERT_EQUAL(kv_cache_init_latent(&e, L, 0, 20, BS), MO_EINVAL);
+    int64_t b = 5;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_reserve(&c, b), 1);
+    kv_seq_t s = {0}, f = {0};
+    CU_ASSERT_EQUAL_FATAL(kv_seq_grow(&c, &s, 6, &b), 0);
+    float r[W], got[W];
+    for (int l = 0; l < L; l++)
+        for (int p = 0; p < 6; p++) {
+            for (int i = 0; i < W; i++)
+                r[i] = (float)(l * 100 + p * 10 + i) + 0.25f;
+            kv_write(&c, &s, l, p, r, NULL);
+        }
+    CU_ASSERT_EQUAL_FATAL(kv_seq_fork(&c, &f, &s, &b), 0); /* the partial block copied */
+    CU_ASSERT_EQUAL(f.blocks[0], s.blocks[0]);
+    CU_ASSERT_NOT_EQUAL(f.blocks[1], s.blocks[1]);
+    int ok = 1;
+    for (int l = 0; l < L; l++)
+        for (int p = 0; p < 6; p++) {
+            for (int k = 0; k < 2; k++) {
+                tu_poison(got, W);
+                kv_read(&c, k ? &f : &s, l, p, got, NULL);
+                for (int i = 0; i < W; i++)
+                    ok &= got[i] == (float)(l * 100 + p * 10 + i) + 0.25f;
+            }
+        }
+    CU_ASSERT(ok);
+    kv_seq_release(&c, &f);
+    kv_seq_release(&c, &s);
+    kv_cache_unreserve(&c, b);
+    CU_ASSERT_EQUAL(kv_cache_used_tokens(&c), 0);
+    kv_cache_free(&c);
+}
+
+/* MLA decode attention two ways on random numbers: expanded, per head keys [W_UK c_j |
+ * k_pe_j] and values W_UV c_j scored by [q_nope | q_pe] (double precision); absorbed,
+ * [W_UK^T q_nope | q_pe] attended over the latent rows [c_j | k_pe_j] in the cache, the
+ * result times W_UV. Relative error within 1e-5. */
+enum { LH = 3, RKV = 10, DN = 6, DR = 4, DV = 5, LW = RKV + DR, NQ = 3 };
+
+static void expanded_ref(double *out, const float *q, const float *lat, const float *wkvb, int h,
+                         int n, float scale) {
+    double sc[64], mx = -INFINITY, sum = 0.0;
+    const float *wk = wkvb + (size_t)h * (DN + DV) * RKV, *wv = wk + (size_t)DN * RKV;
+    for (int j = 0; j < n; j++) {
+        const float *cj = lat + (size_t)j * LW;
+        double a = 0.0;
+        for (int d = 0; d < DN; d++) {
+            double k = 0.0;
+            for (int cc = 0; cc < RKV; cc++)
+                k += (double)wk[d * RKV + cc] * cj[cc];
+            a += (double)q[d] * k;
+        }
+        for (int d = 0; d < DR; d++)
+            a += (double)q[DN + d] * cj[RKV + d];
+        sc[j] = a * scale;
+        mx = fmax(mx, sc[j]);
+    }
+    for (int v = 0; v < DV; v++)
+        out[v] = 0.0;
+    for (int j = 0; j < n; j++) {
+        double e = exp(sc[j] - mx);
+        sum += e;
+        for (int v = 0; v < DV; v++) {
+            double x = 0.0;
+            for (int cc = 0; cc < RKV; cc++)
+                x += (double)wv[v * RKV + cc] * lat[(size_t)j * LW + cc];
+            out[v] += e * x;
+        }
+    }
+    for (int v = 0; v < DV; v++)
+        out[v] /= sum;
+}
+
+static void test_latent_attention(void) {
+    const int len[NQ] = {1, 9, 23}; /* within one block, across blocks, partial last */
+    float lat[23 * LW], q[NQ * LH * (DN + DR)], wkvb[LH * (DN + DV) * RKV];
+    tu_fill(lat, sizeof lat / sizeof *lat, 11, -1.0f, 1.0f);
+    tu_fill(q, sizeof q / sizeof *q, 12, -1.0f, 1.0f);
+    tu_fill(wkvb, sizeof wkvb / sizeof *wkvb, 13, -0.5f, 0.5f);
+    kv_cache_t c;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_init_latent(&c, 2, LW, 96, BS), 0);
+    int64_t b =
+        kv_cache_blocks_for(&c, 1) + kv_cache_blocks_for(&c, 9) + kv_cache_blocks_for(&c, 23);
+    CU_ASSERT_EQUAL_FATAL(kv_cache_reserve(&c, b), 1);
+    kv_seq_t s[NQ] = {{0}};
+    const kv_seq_t *sp[NQ];
+    int32_t pos[NQ];
+    for (int i = 0; i < NQ; i++) {
+        CU_ASSERT_EQUAL_FATAL(kv_seq_grow(&c, &s[i], len[i], &b), 0);
+        for (int p = 0; p < len[i]; p++)
+            kv_write(&c, &s[i], 1, p, lat + (size_t)p * LW, NULL); /* a shared prefix */
+        sp[i] = &s[i];
+        pos[i] = len[i] - 1;
+    }
+    float ql[NQ * LH * LW], ctx[NQ * LH * RKV];
+    for (int ih = 0; ih < NQ * LH; ih++) { /* absorb W_UK */
+        const float *qh = q + (size_t)ih * (DN + DR);
+        const float *wk = wkvb + (size_t)(ih % LH) * (DN + DV) * RKV;
+        for (int cc = 0; cc < RKV; cc++) {
+            float a = 0.0f;
+            for (int d = 0; d < DN; d++)
+                a += qh[d] * wk[d * RKV + cc];
+            ql[(size_t)ih * LW + cc] = a;
+        }
+        memcpy(ql + (size_t)ih * LW + RKV, qh + DN, sizeof(float) * DR);
+    }
+    tu_poison(ctx, NQ * LH * RKV);
+    attn_decode_latent(ctx, ql, &c, 1, sp, pos, NQ, LH, RKV, 0.4f);
+    double err = 0.0;
+    for (int ih = 0; ih < NQ * LH; ih++) {
+        int h = ih % LH;
+        double want[DV];
+        expanded_ref(want, q + (size_t)ih * (DN + DR), lat, wkvb, h, len[ih / LH], 0.4f);
+        const float *wv = wkvb + ((size_t)h * (DN + DV) + DN) * RKV;
+        for (int v = 0; v < DV; v++) {
+            double x = 0.0;
+            for (int cc = 0; cc < RKV; cc++)
+                x += (double)wv[v * RKV + cc] * ctx[(size_t)ih * RKV + cc];
+            err = fmax(err, fabs(x - want[v]) / fmax(fabs(want[v]), 1e-2));
+        }
+    }
+    TU_ASSERT_CLOSE(err, 1e-5, "absorbed vs expanded MLA attention (relative)");
+    for (int i = 0; i < NQ; i++)
+        kv_seq_release(&c, &s[i]);
+    kv_cache_unreserve(&c, b);
+    kv_cache_free(&c);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"budget and reservations", test_budget},
         {"grow, rows, release", test_grow_rows},
         {"fork: shared full blocks, private partial block", test_fork_share},
         {"waiting until a sequence is freed", test_wait_until_freed},
+        {"latent cache: size, rows, fork", test_latent_rows},
+        {"latent attention with absorbed up-projections vs expanded", test_latent_attention},
         CU_TEST_INFO_NULL,
     };
     return tu_main("kv_cache", tests);
