@@ -482,10 +482,11 @@ static void proj_backward(const model_t *m, float *dinp, const float *dout, cons
         lora_backward(m->k, dinp, dout, inp, xa, p, T, C, OC, tmp);
 }
 
-/* draw (T, nh, Dh) += from dout through RoPE and (when w) the per-head norm. */
-static int norm_rope_backward(const model_t *m, arena_t *ar, float *draw, const float *dout,
-                              const float *raw, const float *rstd, const float *w,
-                              const model_step_t *st, int nh) {
+/* draw (T, nh, Dh) += from dout through RoPE and (when w) the per-head norm; dw (Dh)
+ * += the norm weight's gradient when not NULL. */
+static int norm_rope_backward(const model_t *m, arena_t *ar, float *draw, float *dw,
+                              const float *dout, const float *raw, const float *rstd,
+                              const float *w, const model_step_t *st, int nh) {
     int T = st->T;
     if (!w) {
         m->k->rope_backward(draw, dout, st->positions, m->inv_freq, m->rope_mscale, T, nh, m->Dh,
@@ -495,7 +496,7 @@ static int norm_rope_backward(const model_t *m, arena_t *ar, float *draw, const 
     float *dn;
     ZEROS(dn, ar, (size_t)T * nh * m->Dh);
     m->k->rope_backward(dn, dout, st->positions, m->inv_freq, m->rope_mscale, T, nh, m->Dh, m->Dh);
-    m->k->rmsnorm_backward(draw, NULL, dn, raw, w, rstd, T * nh, m->Dh);
+    m->k->rmsnorm_backward(draw, dw, dn, raw, w, rstd, T * nh, m->Dh);
     return MO_OK;
 }
 
@@ -503,14 +504,15 @@ static int norm_rope_backward(const model_t *m, arena_t *ar, float *draw, const 
 static int mla_attention_backward(const model_t *m, arena_t *ar, float *dx, const float *dh,
                                   const layer_acts_t *a, const model_layer_t *ly,
                                   const model_step_t *st, int need_dx) {
-    int T = st->T, D = m->D;
+    int T = st->T, D = m->D, need_dln1 = need_dx || ly->d_attn_norm;
     float *dln1 = NULL;
-    if (need_dx)
+    if (need_dln1)
         ZEROS(dln1, ar, (size_t)T * D);
     TRY(mla_backward(m->k, ar, dln1, dh, &a->mla, &m->mla_cfg, &ly->mla, st->positions, st->cu,
                      st->B, T));
-    if (need_dx)
-        m->k->rmsnorm_backward(dx, NULL, dln1, a->x, ly->attn_norm, a->rstd1, T, D);
+    if (need_dln1)
+        m->k->rmsnorm_backward(need_dx ? dx : NULL, ly->d_attn_norm, dln1, a->x, ly->attn_norm,
+                               a->rstd1, T, D);
     return MO_OK;
 }
 
@@ -533,15 +535,17 @@ static int attention_backward(const model_t *m, arena_t *ar, float *dx, const fl
                           m->H, m->Hkv, m->Dh, m->attn_scale, ly->window);
     ZEROS(dq, ar, (size_t)T * qd);
     ZEROS(dk, ar, (size_t)T * kvd);
-    TRY(norm_rope_backward(m, ar, dq, dqr, a->q, a->rstd_q, ly->q_norm, st, m->H));
-    TRY(norm_rope_backward(m, ar, dk, dkr, a->k, a->rstd_k, ly->k_norm, st, m->Hkv));
-    if (need_dx)
+    TRY(norm_rope_backward(m, ar, dq, ly->d_q_norm, dqr, a->q, a->rstd_q, ly->q_norm, st, m->H));
+    TRY(norm_rope_backward(m, ar, dk, ly->d_k_norm, dkr, a->k, a->rstd_k, ly->k_norm, st, m->Hkv));
+    int need_dln1 = need_dx || ly->d_attn_norm;
+    if (need_dln1)
         ZEROS(dln1, ar, (size_t)T * D);
     proj_backward(m, dln1, dq, a->ln1, a->xa_q, &ly->wq, ly->lora_q, T, D, qd, tmp);
     proj_backward(m, dln1, dk, a->ln1, a->xa_k, &ly->wk, ly->lora_k, T, D, kvd, tmp);
     proj_backward(m, dln1, dv, a->ln1, a->xa_v, &ly->wv, ly->lora_v, T, D, kvd, tmp);
-    if (need_dx)
-        k->rmsnorm_backward(dx, NULL, dln1, a->x, ly->attn_norm, a->rstd1, T, D);
+    if (need_dln1)
+        k->rmsnorm_backward(need_dx ? dx : NULL, ly->d_attn_norm, dln1, a->x, ly->attn_norm,
+                            a->rstd1, T, D);
     return MO_OK;
 }
 
@@ -563,7 +567,8 @@ static int aux_pool_backward(const model_t *m, arena_t *ar, float *dx, const moe
     }
     router_aux_loss_backward(&ly->moe_cfg.router, dlogits, 1.0f / ((float)M * (float)M), c,
                              ms->probs, T, m->opts.aux_coef);
-    m->k->matmul_backward(dx, NULL, NULL, dlogits, ms->x, &ly->moe_w.router, T, m->D, E);
+    m->k->matmul_backward(dx, ly->moe_w.drouter, NULL, dlogits, ms->x, &ly->moe_w.router, T, m->D,
+                          E);
     return MO_OK;
 }
 
@@ -588,7 +593,7 @@ static int layer_backward(const model_t *m, arena_t *ar, float *dx, const float 
         ALLOC(scratch, ar, mlp_backward_scratch_floats(&ly->dense, T, F));
         mlp_backward(m->k, dln2, dy, a->ln2, &a->mlp, &ly->dense, T, D, F, scratch);
     }
-    m->k->rmsnorm_backward(dx, NULL, dln2, a->h1, ly->mlp_norm, a->rstd2, T, D);
+    m->k->rmsnorm_backward(dx, ly->d_mlp_norm, dln2, a->h1, ly->mlp_norm, a->rstd2, T, D);
     /* dx now holds dh1: the attention block's output gradient and the residual's. */
     return attention_backward(m, ar, dx, dx, a, ly, st, need_dx);
 }
@@ -615,7 +620,7 @@ static int head_backward(model_t *m, float *dx, const float *dlogp, const float 
         m->k->matmul_backward(dhf + (size_t)r0 * D, NULL, NULL, dlogits, hf, &m->lm_head, n, D, V);
     }
     arena_reset(&m->scratch);
-    m->k->rmsnorm_backward(dx, NULL, dhf, st->xs[m->L], m->final_norm, st->rstd_f, T, D);
+    m->k->rmsnorm_backward(dx, m->d_final_norm, dhf, st->xs[m->L], m->final_norm, st->rstd_f, T, D);
     return MO_OK;
 }
 
@@ -698,6 +703,11 @@ int model_set_comm(model_t *m, comm_t *cm) {
     if (use_ep(m))
         return mo_errorf(MO_ESTATE, "model %s: already expert-parallel over %d ranks", m->path,
                          comm_size(m->comm));
+    if (m->adapter && m->adapter->n_full > 0)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "model %s: the bound adapter trains router or norm weights in full, "
+                         "which does not run expert-parallel",
+                         m->path);
     if (aux_pooled(m))
         return mo_errorf(MO_EINVAL,
                          "model %s: the pooled balance loss (aux_pool) needs the "

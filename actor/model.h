@@ -63,6 +63,10 @@ typedef struct model_layer {
     const float *k_norm;    /* (Dh) per-head k RMSNorm (Qwen3), or NULL */
     const lora_pair_t *lora_q, *lora_k, *lora_v, *lora_o; /* bound adapters, or NULL */
     const float *mlp_norm;                                /* (D) post_attention_layernorm */
+    /* Gradients of the norm weights made trainable (model_adapter_add_full), accumulated
+     * by the backward, or NULL (frozen); the router's is moe_w.drouter. */
+    float *d_attn_norm, *d_mlp_norm; /* (D) */
+    float *d_q_norm, *d_k_norm;      /* (Dh) */
 
     /* MLA attention (model_t.mla = 1); wq, wk, wv, wo, q_norm, k_norm and lora_q..lora_o
      * are then unset (NULL data) and every attention weight and adapter is here. */
@@ -104,6 +108,7 @@ typedef struct model {
     wview_t embed;           /* (V, D) model.embed_tokens */
     wview_t lm_head;         /* (V, D) lm_head, or embed when tied */
     const float *final_norm; /* (D) model.norm */
+    float *d_final_norm;     /* (D) its gradient when trainable, or NULL */
     model_layer_t *layers;   /* (L) */
     float *inv_freq;         /* (Dh / 2) RoPE frequencies; MLA: (qk_rope_head_dim / 2) */
     float rope_mscale;       /* cos/sin multiplier from the RoPE scaling */
@@ -122,6 +127,9 @@ typedef struct model {
     const lora_pair_t ***module_slot; /* (n_modules) where each module's adapter is bound */
     lora_pair_t *pairs;               /* (n_modules) views into the bound adapter */
     const lora_adapter_t *adapter;    /* bound adapter or NULL */
+    struct model_full *full;          /* (n_full) the weights an adapter may train in full,
+                                       * with their frozen values (model_adapter_add_full) */
+    int n_full;
 
     model_moe_stats_t *stats; /* (M) from the last forward */
     int aux_pool;             /* model_set_aux_pool */
@@ -154,11 +162,28 @@ int model_open_config(model_t **out, const model_config_t *cfg, const char *weig
                       const model_opts_t *opts);
 void model_destroy(model_t **m);
 
-/* Binds an adapter (its entries must name modules of this model with matching shapes;
+/* Binds an adapter (its entries must name modules of this model with matching shapes,
+ * its full tensors weights that model_adapter_add_full offers, with matching shapes;
  * MO_EINVAL naming the first that does not), or NULL for the base model (the reference
- * policy). The adapter must outlive the binding. Gradients flow into the adapter's grad
+ * policy). An adapter with full tensors does not bind under expert parallelism
+ * (MO_EUNSUPPORTED). The adapter must outlive the binding. Gradients flow into the adapter's grad
  * buffer when it has one. Invalidates the last forward. */
 int model_set_adapter(model_t *m, const lora_adapter_t *ad);
+
+/* Trainable router and norm weights. Appends to ad (lora_adapter_add_full) full f32
+ * copies of the model's current frozen values of
+ *   router = 1: every MoE layer's router "model.layers.<l>.mlp.gate.weight" (E, D)
+ *               ("block_sparse_moe.gate" in Mixtral);
+ *   norms = 1:  every layer's "input_layernorm.weight" and "post_attention_layernorm.weight"
+ *               (D, 1), Qwen3's "self_attn.q_norm.weight" and "k_norm.weight" (Dh, 1), and
+ *               "model.norm.weight" (D, 1).
+ * MLA's q_a_layernorm and kv_a_layernorm, DeepSeek's e_score_correction_bias, the
+ * embeddings and lm_head stay frozen. Once ad is bound (model_set_adapter), the forward
+ * reads these weights from ad->params and the backward accumulates their gradients into
+ * ad->grads; binding another adapter or NULL restores the frozen values. Call it before
+ * binding ad. MO_EINVAL when router is asked of a model without MoE layers, or for a
+ * router stored with fp8 block scales; MO_EUNSUPPORTED under expert parallelism. */
+int model_adapter_add_full(model_t *m, lora_adapter_t *ad, int router, int norms);
 
 /* Expert parallelism over cm (borrowed; it must outlive the model). With N = comm_size(cm)
  * > 1 ranks, this rank keeps only its E / N routed experts (moe_ep_experts) of every MoE

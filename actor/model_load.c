@@ -424,9 +424,167 @@ static int build_modules(model_t *m) {
     return MO_OK;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Weights an adapter may train in full (model_adapter_add_full).           */
+
+/* One such weight: where the model reads it and its gradient, and its frozen value. */
+struct model_full {
+    char name[NAME_CAP]; /* Hugging Face parameter name */
+    int router;          /* 1: a router (rows, cols) = (E, D); 0: a norm vector (n, 1) */
+    int rows, cols;
+    const float **w;   /* the norm's weight pointer (norms) */
+    wview_t *view;     /* the router's view (router) */
+    float **dw;        /* where its gradient pointer goes */
+    const float *base; /* frozen norm */
+    wview_t base_view; /* frozen router */
+};
+
+static void full_add(struct model_full *f, int *n, const char *name, const float **w, float **dw,
+                     int rows) {
+    struct model_full *x = &f[(*n)++];
+    memset(x, 0, sizeof *x);
+    snprintf(x->name, NAME_CAP, "%s", name);
+    x->rows = rows;
+    x->cols = 1;
+    x->w = w;
+    x->dw = dw;
+    x->base = *w;
+}
+
+/* m->full: every norm vector and router of the model, with the frozen values. */
+static int full_table(model_t *m) {
+    if (m->full)
+        return MO_OK;
+    int cap = 5 * m->L + 1, n = 0;
+    struct model_full *f = calloc((size_t)cap, sizeof *f);
+    if (!f)
+        return mo_errorf(MO_ENOMEM, "model %s: out of memory", m->path);
+    char nm[NAME_CAP];
+    const char *blk = m->cfg.arch == ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    for (int l = 0; l < m->L; l++) {
+        model_layer_t *ly = &m->layers[l];
+        tname(nm, "model.layers.%d.input_layernorm.weight", l);
+        full_add(f, &n, nm, &ly->attn_norm, &ly->d_attn_norm, m->D);
+        if (ly->q_norm) {
+            tname(nm, "model.layers.%d.self_attn.q_norm.weight", l);
+            full_add(f, &n, nm, &ly->q_norm, &ly->d_q_norm, m->Dh);
+            tname(nm, "model.layers.%d.self_attn.k_norm.weight", l);
+            full_add(f, &n, nm, &ly->k_norm, &ly->d_k_norm, m->Dh);
+        }
+        tname(nm, "model.layers.%d.post_attention_layernorm.weight", l);
+        full_add(f, &n, nm, &ly->mlp_norm, &ly->d_mlp_norm, m->D);
+        if (ly->moe) {
+            struct model_full *x = &f[n++];
+            tname(x->name, "model.layers.%d.%s.gate.weight", l, blk);
+            x->router = 1;
+            x->rows = m->E;
+            x->cols = m->D;
+            x->view = &ly->moe_w.router;
+            x->dw = &ly->moe_w.drouter;
+            x->base_view = ly->moe_w.router;
+        }
+    }
+    full_add(f, &n, "model.norm.weight", &m->final_norm, &m->d_final_norm, m->D);
+    m->full = f;
+    m->n_full = n;
+    return MO_OK;
+}
+
+/* Every full weight back to its frozen value, no gradient. */
+static void full_unbind(model_t *m) {
+    for (int i = 0; i < m->n_full; i++) {
+        struct model_full *x = &m->full[i];
+        if (x->router)
+            *x->view = x->base_view;
+        else
+            *x->w = x->base;
+        *x->dw = NULL;
+    }
+}
+
+static struct model_full *full_find(model_t *m, const char *name) {
+    for (int i = 0; i < m->n_full; i++)
+        if (strcmp(m->full[i].name, name) == 0)
+            return &m->full[i];
+    return NULL;
+}
+
+/* Binds ad's full tensors (the LoRA pairs are bound). */
+static int full_bind(model_t *m, const lora_adapter_t *ad) {
+    if (ad->n_full == 0)
+        return MO_OK;
+    if (m->comm && comm_size(m->comm) > 1)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "model %s: an adapter with full tensors (trained router or norm "
+                         "weights, e.g. \"%s\") does not run expert-parallel",
+                         m->path, ad->tensors[ad->n_tensors - ad->n_full].name);
+    TRY(full_table(m));
+    for (int t = ad->n_tensors - ad->n_full; t < ad->n_tensors; t++) {
+        const lora_tensor_t *lt = &ad->tensors[t];
+        struct model_full *x = full_find(m, lt->name);
+        if (!x)
+            return mo_errorf(MO_EINVAL,
+                             "adapter full tensor \"%s\" is not a trainable weight of "
+                             "this model",
+                             lt->name);
+        if (lt->shape[0] != x->rows || lt->shape[1] != x->cols)
+            return mo_errorf(MO_EINVAL,
+                             "adapter full tensor \"%s\" is (%lld, %lld), the model's "
+                             "weight is (%d, %d)",
+                             lt->name, (long long)lt->shape[0], (long long)lt->shape[1], x->rows,
+                             x->cols);
+        const float *w = ad->params + lt->offset;
+        if (x->router)
+            *x->view = wview_f32(w);
+        else
+            *x->w = w;
+        *x->dw = ad->grads ? ad->grads + lt->offset : NULL;
+    }
+    return MO_OK;
+}
+
+int model_adapter_add_full(model_t *m, lora_adapter_t *ad, int router, int norms) {
+    if (router && m->n_moe == 0)
+        return mo_errorf(MO_EINVAL, "model %s: a trainable router needs MoE layers, it has none",
+                         m->path);
+    if ((router || norms) && m->comm && comm_size(m->comm) > 1)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "model %s: trainable router or norm weights do not run expert-parallel",
+                         m->path);
+    TRY(full_table(m));
+    float *buf = NULL;
+    int rc = MO_OK;
+    for (int i = 0; i < m->n_full && rc == MO_OK; i++) {
+        const struct model_full *x = &m->full[i];
+        if (x->router ? !router : !norms)
+            continue;
+        if (!x->router) {
+            rc = lora_adapter_add_full(ad, x->name, x->rows, 1, x->base);
+            continue;
+        }
+        if (x->base_view.scale) {
+            rc = mo_errorf(MO_EINVAL,
+                           "model %s: router \"%s\" is stored with fp8 block scales; "
+                           "it cannot be trained in full",
+                           m->path, x->name);
+            break;
+        }
+        size_t n = (size_t)x->rows * x->cols;
+        if (!buf && !(buf = malloc(n * sizeof *buf))) {
+            rc = mo_errorf(MO_ENOMEM, "model %s: out of memory", m->path);
+            break;
+        }
+        convert_to_f32(buf, x->base_view.data, x->base_view.dtype, n);
+        rc = lora_adapter_add_full(ad, x->name, x->rows, x->cols, buf);
+    }
+    free(buf);
+    return rc;
+}
+
 int model_set_adapter(model_t *m, const lora_adapter_t *ad) {
     for (int i = 0; i < m->n_modules; i++)
         *m->module_slot[i] = NULL;
+    full_unbind(m);
     m->adapter = NULL;
     m->step = NULL;
     if (!ad)
@@ -458,9 +616,12 @@ int model_set_adapter(model_t *m, const lora_adapter_t *ad) {
             rc = mo_errorf(MO_EINVAL, "adapter module \"%s\" is not a projection of this model",
                            ad->entries[e].name);
     free(used);
+    if (rc == MO_OK)
+        rc = full_bind(m, ad);
     if (rc < 0) {
         for (int i = 0; i < m->n_modules; i++)
             *m->module_slot[i] = NULL;
+        full_unbind(m);
         return rc;
     }
     m->adapter = ad;
@@ -587,6 +748,7 @@ void model_destroy(model_t **pm) {
     free(m->modules);
     free(m->module_slot);
     free(m->pairs);
+    free(m->full);
     if (m->stats) {
         free(m->stats[0].load);
         free(m->stats[0].prob_mean);

@@ -58,6 +58,8 @@ typedef struct config_lora {
     bool rslora;           /* scale alpha / sqrt(rank) instead of alpha / rank */
     double dropout;        /* always 0 */
     int64_t init_seed;     /* 0 = derived from run.seed */
+    bool train_router;     /* also train the MoE routers (mlp.gate, (E, D)) in full */
+    bool train_norms;      /* also train the RMSNorm weights in full */
 } config_lora_t;
 
 typedef struct config_rollout {

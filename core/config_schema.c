@@ -99,6 +99,15 @@ const cfg_key_t cfg_keys[] = {
             "rollout's and the learner's logprobs differ."),
     K_INT(lora, init_seed, 0, INT64_MAX, "0",
           "Seed for the initial A matrices (B starts at zero); 0 derives it from run.seed."),
+    K_BOOL(lora, train_router, "false",
+           "Also train every MoE layer's router weight (mlp.gate, (E, D)) in full, as an f32 "
+           "copy next to the adapters: optimised, clipped, checkpointed and published with "
+           "them, and saved as PEFT modules_to_save. Not with expert parallelism."),
+    K_BOOL(lora, train_norms, "false",
+           "Also train the RMSNorm weights in full (input_layernorm, post_attention_layernorm, "
+           "Qwen3's q_norm and k_norm, the final norm; MLA's q_a/kv_a norms stay frozen), "
+           "as f32 copies next to the adapters, like lora.train_router. Not with expert "
+           "parallelism."),
 
     /* rollout */
     K_INT(rollout, workers, 1, 1024, "1", "Rollout worker processes."),

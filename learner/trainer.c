@@ -192,9 +192,18 @@ static int make_adapter(trainer_t *t, const moerl_config_t *cfg) {
                         .no_grads = 0,
                         .targets = (const char *const *)cfg->lora.targets.items,
                         .n_targets = cfg->lora.targets.n};
+    int full = cfg->lora.train_router || cfg->lora.train_norms;
+    if (t->comm && full)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "trainer: lora.train_router and lora.train_norms do not run "
+                         "expert-parallel (%d ranks); turn them off or use one rank",
+                         comm_size(t->comm));
     if (t->comm)
         return make_shard(t, &lc);
     TRY(lora_adapter_new(&t->adapter, &lc, t->model->modules, t->model->n_modules));
+    if (full)
+        TRY(model_adapter_add_full(t->model, t->adapter, cfg->lora.train_router,
+                                   cfg->lora.train_norms));
     if (t->opts.init_adapter) {
         int rc = peft_load(t->adapter, t->opts.init_adapter);
         if (rc < 0)

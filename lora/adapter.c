@@ -357,6 +357,50 @@ void lora_adapter_destroy(lora_adapter_t **pad) {
     *pad = NULL;
 }
 
+int lora_adapter_find_full(const lora_adapter_t *ad, const char *name) {
+    for (int t = ad->n_tensors - ad->n_full; t < ad->n_tensors; t++)
+        if (strcmp(ad->tensors[t].name, name) == 0)
+            return t;
+    return -1;
+}
+
+int lora_adapter_add_full(lora_adapter_t *ad, const char *name, int rows, int cols,
+                          const float *init) {
+    if (!name || !name[0] || rows < 1 || cols < 1 || !init)
+        return mo_errorf(MO_EINVAL,
+                         "lora: full tensor \"%s\" needs a name, rows %d >= 1, "
+                         "cols %d >= 1 and initial values",
+                         name ? name : "", rows, cols);
+    if (lora_adapter_find_full(ad, name) >= 0 || lora_adapter_find(ad, name) >= 0)
+        return mo_errorf(MO_EINVAL, "lora: full tensor \"%s\" is added twice", name);
+    size_t numel = (size_t)rows * (size_t)cols, n = ad->n_params + numel;
+    lora_tensor_t *tabs = realloc(ad->tensors, sizeof *tabs * (size_t)(ad->n_tensors + 1));
+    if (!tabs)
+        return mo_errorf(MO_ENOMEM, "lora: out of memory adding \"%s\"", name);
+    ad->tensors = tabs;
+    float *p = realloc(ad->params, n * sizeof *p);
+    if (!p)
+        return mo_errorf(MO_ENOMEM, "lora: cannot grow the parameters to %zu for \"%s\"", n, name);
+    ad->params = p;
+    if (ad->grads) {
+        float *g = realloc(ad->grads, n * sizeof *g);
+        if (!g)
+            return mo_errorf(MO_ENOMEM, "lora: cannot grow the gradients to %zu for \"%s\"", n,
+                             name);
+        ad->grads = g;
+        memset(g + ad->n_params, 0, numel * sizeof *g);
+    }
+    char *nm = dup_str(name);
+    if (!nm)
+        return mo_errorf(MO_ENOMEM, "lora: out of memory adding \"%s\"", name);
+    memcpy(p + ad->n_params, init, numel * sizeof *p);
+    tabs[ad->n_tensors] = (lora_tensor_t){nm, {rows, cols}, ad->n_params, numel};
+    ad->n_tensors++;
+    ad->n_full++;
+    ad->n_params = n;
+    return MO_OK;
+}
+
 lora_pair_t lora_adapter_pair(const lora_adapter_t *ad, int e, int with_grads) {
     MO_ASSERT(e >= 0 && e < ad->n_entries);
     const lora_entry_t *en = &ad->entries[e];

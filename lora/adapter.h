@@ -119,7 +119,9 @@ typedef struct lora_adapter {
     int n_entries;
     lora_entry_t *entries; /* (n_entries), in the order of the module list */
     int n_tensors;
-    lora_tensor_t *tensors; /* (n_tensors) = 2 * n_entries, ascending offsets */
+    lora_tensor_t *tensors; /* (n_tensors) = 2 * n_entries + n_full, ascending offsets */
+    int n_full;             /* full tensors (lora_adapter_add_full): tensors
+                             * 2 n_entries .. n_tensors - 1, after every A and B */
 
     size_t n_params;
     float *params; /* (n_params) every entry's A then B, packed without gaps */
@@ -144,6 +146,22 @@ int lora_adapter_new(lora_adapter_t **out, const lora_config_t *cfg, const lora_
 int lora_adapter_new_selected(lora_adapter_t **out, const lora_config_t *cfg,
                               const lora_module_desc_t *mods, int n_mods, const unsigned char *sel);
 void lora_adapter_destroy(lora_adapter_t **ad);
+
+/* Full-parameter tensors. Besides the LoRA pairs, an adapter may carry small frozen
+ * weights of the model made trainable in full (the MoE router, the RMSNorm weights):
+ * each is one tensor named by its Hugging Face parameter name
+ * ("model.layers.3.mlp.gate.weight", "model.norm.weight"), with its values and
+ * gradients in the same flat buffers, after every LoRA tensor, so that whatever loops
+ * over the tensor table (optimizer, clipping, checkpoints, publishing) covers it. */
+
+/* Appends the full tensor name of shape (rows, cols) (a vector of n is (n, 1)) with
+ * params init (rows * cols) and zero gradients. The flat buffers move: add every full
+ * tensor before binding the adapter or taking pointers into it. MO_EINVAL for an empty
+ * or duplicate name or rows, cols < 1, MO_ENOMEM. */
+int lora_adapter_add_full(lora_adapter_t *ad, const char *name, int rows, int cols,
+                          const float *init);
+/* The tensor index (into ad->tensors) of full tensor name, or -1. */
+int lora_adapter_find_full(const lora_adapter_t *ad, const char *name);
 
 /* The entry index of a module name, or -1. */
 int lora_adapter_find(const lora_adapter_t *ad, const char *module);

@@ -17,6 +17,8 @@
 
 #define SUFFIX_A ".lora_A.weight"
 #define SUFFIX_B ".lora_B.weight"
+#define SUFFIX_SAVE ".modules_to_save.default.weight"
+#define SUFFIX_WEIGHT ".weight"
 
 /* ---- paths and files ---------------------------------------------------- */
 
@@ -159,6 +161,70 @@ static double shortest(float f) {
     return strtod(b, NULL);
 }
 
+/* 1 when tensor t of ad is a full tensor (lora_adapter_add_full). */
+static int is_full(const lora_adapter_t *ad, int t) {
+    return t >= ad->n_tensors - ad->n_full;
+}
+
+/* The file key of tensor t: "base_model.model.<name>" for A and B; for a full tensor
+ * "<module>.weight", PEFT's "base_model.model.<module>.modules_to_save.default.weight". */
+static char *key_of(const lora_adapter_t *ad, int t) {
+    const char *name = ad->tensors[t].name;
+    if (!is_full(ad, t))
+        return join(PEFT_KEY_PREFIX, "", name);
+    size_t n = strlen(name), nw = strlen(SUFFIX_WEIGHT);
+    if (n > nw && strcmp(name + n - nw, SUFFIX_WEIGHT) == 0)
+        n -= nw;
+    size_t np = strlen(PEFT_KEY_PREFIX), ns = strlen(SUFFIX_SAVE);
+    char *k = malloc(np + n + ns + 1);
+    if (!k)
+        return NULL;
+    memcpy(k, PEFT_KEY_PREFIX, np);
+    memcpy(k + np, name, n);
+    memcpy(k + np + n, SUFFIX_SAVE, ns + 1);
+    return k;
+}
+
+/* The stored shape of tensor t: a full tensor (n, 1) is the vector (n). */
+static int stored_shape(const lora_adapter_t *ad, int t, int64_t shape[2]) {
+    const lora_tensor_t *lt = &ad->tensors[t];
+    shape[0] = lt->shape[0];
+    shape[1] = lt->shape[1];
+    return is_full(ad, t) && lt->shape[1] == 1 ? 1 : 2;
+}
+
+/* The modules_to_save list: each full tensor's module path without ".weight" and
+ * without a leading "model.layers.<N>." ("mlp.gate", "input_layernorm", "model.norm"),
+ * distinct, in first-seen order; NULL (JSON null) when there are none. */
+static cJSON *modules_to_save_json(const lora_adapter_t *ad) {
+    if (ad->n_full == 0)
+        return cJSON_CreateNull();
+    cJSON *a = cJSON_CreateArray();
+    for (int t = ad->n_tensors - ad->n_full; a && t < ad->n_tensors; t++) {
+        const char *s = ad->tensors[t].name;
+        if (strncmp(s, "model.layers.", 13) == 0) {
+            const char *p = s + 13;
+            while (*p >= '0' && *p <= '9')
+                p++;
+            if (p > s + 13 && *p == '.')
+                s = p + 1;
+        }
+        char buf[512];
+        size_t n = strlen(s), nw = strlen(SUFFIX_WEIGHT);
+        if (n > nw && strcmp(s + n - nw, SUFFIX_WEIGHT) == 0)
+            n -= nw;
+        snprintf(buf, sizeof buf, "%.*s", (int)n, s);
+        int dup = 0;
+        const cJSON *it;
+        cJSON_ArrayForEach(it, a) dup |= strcmp(it->valuestring, buf) == 0;
+        if (!dup && !cJSON_AddItemToArray(a, cJSON_CreateString(buf))) {
+            cJSON_Delete(a);
+            a = NULL;
+        }
+    }
+    return a;
+}
+
 static char *config_json(const lora_adapter_t *ad, const peft_save_opts_t *o) {
     char **sufs = NULL;
     int nsuf = 0;
@@ -180,7 +246,8 @@ static char *config_json(const lora_adapter_t *ad, const peft_save_opts_t *o) {
     ok = ok && cJSON_AddNullToObject(j, "layers_to_transform");
     ok = ok && cJSON_AddNumberToObject(j, "lora_alpha", shortest(ad->alpha));
     ok = ok && cJSON_AddRawToObject(j, "lora_dropout", "0.0");
-    ok = ok && cJSON_AddNullToObject(j, "modules_to_save");
+    cJSON *ms = ok ? modules_to_save_json(ad) : NULL;
+    ok = ok && ms && cJSON_AddItemToObject(j, "modules_to_save", ms);
     ok = ok && cJSON_AddStringToObject(j, "peft_type", "LORA");
     ok = ok && cJSON_AddNumberToObject(j, "r", ad->R);
     ok = ok && cJSON_AddObjectToObject(j, "rank_pattern");
@@ -248,7 +315,14 @@ static int read_features(const cJSON *j, const char *path) {
     TRY(unsupported_if(rp && cJSON_GetArraySize(rp) > 0, path, "a non-empty rank_pattern"));
     TRY(unsupported_if(ap && cJSON_GetArraySize(ap) > 0, path, "a non-empty alpha_pattern"));
     TRY(unsupported_if(lt != NULL, path, "layers_to_transform"));
-    TRY(unsupported_if(ms && cJSON_GetArraySize(ms) > 0, path, "modules_to_save"));
+    if (ms && !cJSON_IsNull(ms)) {
+        const cJSON *it;
+        if (!cJSON_IsArray(ms))
+            return mo_errorf(MO_EMALFORMED, "%s: field 'modules_to_save' must be null or a list",
+                             path);
+        cJSON_ArrayForEach(it, ms) if (!cJSON_IsString(it)) return mo_errorf(
+            MO_EMALFORMED, "%s: field 'modules_to_save' must hold strings", path);
+    }
     return MO_OK;
 }
 
@@ -382,8 +456,10 @@ static int write_weights(const lora_adapter_t *ad, const char *path, dtype_t dt)
     for (int i = 0; i < n && rc == MO_OK; i++) {
         const lora_tensor_t *t = &ad->tensors[i];
         void *data = low ? (char *)low + t->offset * esz : (void *)(ad->params + t->offset);
-        items[i].tensor = tensor_view(data, dt, DEV_CPU, 2, t->shape);
-        if (!(items[i].name = join(PEFT_KEY_PREFIX, "", t->name)))
+        int64_t shape[2];
+        int nd = stored_shape(ad, i, shape);
+        items[i].tensor = tensor_view(data, dt, DEV_CPU, nd, shape);
+        if (!(items[i].name = key_of(ad, i)))
             rc = mo_errorf(MO_ENOMEM, "lora save: out of memory");
     }
     char r[32], alpha[48], rs[8], seed[32], check[32];
@@ -512,11 +588,29 @@ static int check_meta(const st_file_t *f, const char *path, const peft_config_t 
     return MO_OK;
 }
 
-/* The tensor index (2e or 2e + 1) a key names, or -1. */
+/* The full tensor a modules_to_save key names, or -1. */
+static int full_of_key(const lora_adapter_t *ad, const char *key) {
+    size_t np = strlen(PEFT_KEY_PREFIX), ns = strlen(SUFFIX_SAVE), n = strlen(key);
+    if (n <= np + ns || strcmp(key + n - ns, SUFFIX_SAVE) != 0)
+        return -1;
+    char *name = malloc(n - np - ns + strlen(SUFFIX_WEIGHT) + 1);
+    if (!name)
+        return -1;
+    memcpy(name, key + np, n - np - ns);
+    memcpy(name + n - np - ns, SUFFIX_WEIGHT, strlen(SUFFIX_WEIGHT) + 1);
+    int t = lora_adapter_find_full(ad, name);
+    free(name);
+    return t;
+}
+
+/* The tensor index (2e or 2e + 1, or a full tensor's) a key names, or -1. */
 static int tensor_of_key(const lora_adapter_t *ad, const char *key) {
     size_t np = strlen(PEFT_KEY_PREFIX), ns = strlen(SUFFIX_A), n = strlen(key);
     if (n <= np + ns || strncmp(key, PEFT_KEY_PREFIX, np) != 0)
         return -1;
+    if (ad->n_full > 0 && n > strlen(SUFFIX_SAVE) &&
+        strcmp(key + n - strlen(SUFFIX_SAVE), SUFFIX_SAVE) == 0)
+        return full_of_key(ad, key);
     int isb = strcmp(key + n - ns, SUFFIX_B) == 0;
     if (!isb && strcmp(key + n - ns, SUFFIX_A) != 0)
         return -1;
@@ -531,17 +625,18 @@ static int tensor_of_key(const lora_adapter_t *ad, const char *key) {
 }
 
 static int check_tensor(const lora_adapter_t *ad, const st_info_t *in, int t, const char *path) {
-    const lora_tensor_t *lt = &ad->tensors[t];
+    int64_t sh[2];
+    int nd = stored_shape(ad, t, sh);
     if (in->dtype != DT_F32 && in->dtype != DT_BF16 && in->dtype != DT_F16)
         return mo_errorf(MO_EMALFORMED, "%s: key '%s' has dtype %s; expected F32, BF16 or F16",
                          path, in->name, dtype_name(in->dtype));
-    if (in->ndim != 2 || in->shape[0] != lt->shape[0] || in->shape[1] != lt->shape[1]) {
+    if (in->ndim != nd || in->shape[0] != sh[0] || (nd == 2 && in->shape[1] != sh[1])) {
         tensor_t v = tensor_view(NULL, in->dtype, DEV_CPU, in->ndim, in->shape);
         char got[96];
         tensor_shape_str(&v, got, sizeof got);
         return mo_errorf(MO_EMALFORMED,
-                         "%s: key '%s' has shape %s; expected (%" PRId64 ", %" PRId64 ")", path,
-                         in->name, got, lt->shape[0], lt->shape[1]);
+                         "%s: key '%s' has shape %s; expected (%" PRId64 ", %" PRId64 ")%s", path,
+                         in->name, got, sh[0], sh[1], nd == 1 ? " stored as a vector" : "");
     }
     return MO_OK;
 }
@@ -563,7 +658,8 @@ static int check_keys(const lora_adapter_t *ad, const st_file_t *f, const char *
         if (t < 0) {
             rc = mo_errorf(MO_EMALFORMED,
                            "%s: unexpected key '%s': not the lora_A or lora_B "
-                           "weight of a module this adapter holds",
+                           "weight of a module this adapter holds, nor one of its "
+                           "modules_to_save weights",
                            path, in->name);
             break;
         }
@@ -573,11 +669,13 @@ static int check_keys(const lora_adapter_t *ad, const st_file_t *f, const char *
         *same_order &= t == i;
     }
     for (int t = 0; t < ad->n_tensors && rc == MO_OK; t++)
-        if (!seen[t])
-            rc = mo_errorf(MO_EMALFORMED,
-                           "%s: missing key '%s%s' (shape (%" PRId64 ", %" PRId64 "))", path,
-                           PEFT_KEY_PREFIX, ad->tensors[t].name, ad->tensors[t].shape[0],
+        if (!seen[t]) {
+            char *k = key_of(ad, t);
+            rc = mo_errorf(MO_EMALFORMED, "%s: missing key '%s' (shape (%" PRId64 ", %" PRId64 "))",
+                           path, k ? k : ad->tensors[t].name, ad->tensors[t].shape[0],
                            ad->tensors[t].shape[1]);
+            free(k);
+        }
     free(seen);
     return rc;
 }
@@ -709,6 +807,43 @@ static int split_targets(const char *s, char ***words, int *n) {
     return MO_OK;
 }
 
+/* Adds to ad a full tensor for every modules_to_save key of f, with the file's shape
+ * and values (load_file then checks and loads them like the others). */
+static int add_saved_modules(lora_adapter_t *ad, const st_file_t *f) {
+    size_t np = strlen(PEFT_KEY_PREFIX), ns = strlen(SUFFIX_SAVE);
+    int rc = MO_OK;
+    for (int i = 0; i < st_count(f) && rc == MO_OK; i++) {
+        const st_info_t *in = st_info(f, i);
+        size_t n = strlen(in->name);
+        if (n <= np + ns || strncmp(in->name, PEFT_KEY_PREFIX, np) != 0 ||
+            strcmp(in->name + n - ns, SUFFIX_SAVE) != 0)
+            continue;
+        if ((in->ndim != 1 && in->ndim != 2) || !dtype_is_float(in->dtype) || in->shape[0] < 1 ||
+            in->shape[0] > INT32_MAX ||
+            (in->ndim == 2 && (in->shape[1] < 1 || in->shape[1] > INT32_MAX)))
+            return mo_errorf(MO_EMALFORMED,
+                             "key '%s': a modules_to_save weight must be a "
+                             "float vector or matrix",
+                             in->name);
+        int rows = (int)in->shape[0], cols = in->ndim == 2 ? (int)in->shape[1] : 1;
+        char *name = malloc(n - np - ns + strlen(SUFFIX_WEIGHT) + 1);
+        float *v = malloc((size_t)rows * cols * sizeof *v);
+        if (!name || !v) {
+            free(name);
+            free(v);
+            return mo_errorf(MO_ENOMEM, "out of memory");
+        }
+        memcpy(name, in->name + np, n - np - ns);
+        memcpy(name + n - np - ns, SUFFIX_WEIGHT, strlen(SUFFIX_WEIGHT) + 1);
+        tensor_t tv = st_tensor(f, i);
+        convert_to_f32(v, tv.data, tv.dtype, (size_t)rows * cols);
+        rc = lora_adapter_add_full(ad, name, rows, cols, v);
+        free(name);
+        free(v);
+    }
+    return rc;
+}
+
 /* Builds the adapter that c and f describe for mods. */
 static int build_from(lora_adapter_t **out, const peft_config_t *c, const st_file_t *f,
                       const char *dir, const lora_module_desc_t *mods, int n_mods, int no_grads) {
@@ -734,6 +869,8 @@ static int build_from(lora_adapter_t **out, const peft_config_t *c, const st_fil
         lc.targets = nw ? (const char *const *)words : (const char *const *)c->target_modules;
         lc.n_targets = nw ? nw : c->n_target_modules;
         rc = lora_adapter_new_selected(out, &lc, mods, n_mods, sel);
+        if (rc == MO_OK)
+            rc = add_saved_modules(*out, f);
         if (rc < 0)
             mo_error_wrap(rc, "%s", dir);
     }

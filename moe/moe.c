@@ -276,6 +276,6 @@ int moe_backward(const kernels_t *k, arena_t *ar, float *dx, const float *dout,
     router_backward(&c->router, dlogits, dweight, st->idx, st->probs, T);
     if (c->aux_coef > 0.0f)
         router_aux_loss_backward(&c->router, dlogits, 1.0f, st->load, st->probs, T, c->aux_coef);
-    k->matmul_backward(dx, NULL, NULL, dlogits, st->x, &w->router, T, D, E);
+    k->matmul_backward(dx, w->drouter, NULL, dlogits, st->x, &w->router, T, D, E);
     return MO_OK;
 }

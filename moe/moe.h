@@ -22,9 +22,9 @@ extern "C" {
  * Forward:  logits (T, E) = x @ router^T;  route (or replay);  dispatch gathers the S
  * slots' rows sorted by expert;  each expert's MLP runs on its contiguous block;
  * combine: out[t] = sum_k weight[t, k] * y[row of slot (t, k)];  out += shared(x).
- * Backward mirrors it and also sends the router's gradient into dx through the frozen
- * router matrix. Everything lives in host memory; matrix work goes through the kernel
- * table. */
+ * Backward mirrors it and also sends the router's gradient into dx through the router
+ * matrix (and into the router weight's gradient when moe_weights_t.drouter is set).
+ * Everything lives in host memory; matrix work goes through the kernel table. */
 typedef struct moe_cfg {
     int D;               /* model width */
     int F;               /* hidden width of one routed expert */
@@ -45,6 +45,9 @@ typedef struct moe_weights {
     const lora_pair_t *const *lora_up;   /* (E) or NULL */
     const lora_pair_t *const *lora_down; /* (E) or NULL */
     mlp_weights_t shared;                /* width n_shared * F; read when n_shared > 0 */
+    float *drouter; /* (E, D) router weight gradient, ACCUMULATED by the backward (the router
+                     * must then be f32), or NULL: the router is frozen. Under expert
+                     * parallelism each rank adds its own tokens' share. */
 } moe_weights_t;
 
 /* The dispatch plan: token slots sorted by expert with a stable counting sort (slots of
@@ -119,10 +122,11 @@ int moe_forward(const kernels_t *k, arena_t *ar, moe_state_t *st, float *out, co
 
 /* dx (T, D) += the input gradient from dout (T, D), through experts, shared experts,
  * the combine weights, the router (and the balance loss, taken as added to the
- * objective with gradient 1) and the frozen router matrix; every present adapter's dA
- * and dB (when not NULL) accumulate. dx must not alias dout. The temporaries (about
- * 2 S D + T E floats) come from ar: the step arena, or a scratch arena the caller resets
- * after each layer's backward. st stays valid (it lives in the forward's arena). */
+ * objective with gradient 1) and the router matrix; every present adapter's dA
+ * and dB (when not NULL) accumulate, and w->drouter when not NULL. dx must not alias
+ * dout. The temporaries (about 2 S D + T E floats) come from ar: the step arena, or a
+ * scratch arena the caller resets after each layer's backward. st stays valid (it lives
+ * in the forward's arena). */
 int moe_backward(const kernels_t *k, arena_t *ar, float *dx, const float *dout,
                  const moe_state_t *st, const moe_cfg_t *c, const moe_weights_t *w);
 

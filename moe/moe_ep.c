@@ -359,7 +359,7 @@ static int router_grads(const kernels_t *k, arena_t *ar, float *dx, const float 
         router_aux_loss_backward(&c->router, dlogits, (float)(share * share), loc->load, loc->probs,
                                  T, c->aux_coef);
     }
-    k->matmul_backward(dx, NULL, NULL, dlogits, loc->x, &w->router, T, c->D, E);
+    k->matmul_backward(dx, w->drouter, NULL, dlogits, loc->x, &w->router, T, c->D, E);
     return MO_OK;
 }
 

@@ -527,7 +527,7 @@ static int fill_adapter(ro_t *d, const weights_adapter_t *wa, lora_adapter_t **o
             lora_adapter_destroy(&s);
     }
     if (!ad) {
-        const model_t *m = d->model;
+        model_t *m = d->model;
         unsigned char *sel = calloc((size_t)m->n_modules + 1, 1);
         if (!sel)
             return mo_errorf(MO_ENOMEM, "out of memory");
@@ -540,6 +540,13 @@ static int fill_adapter(ro_t *d, const weights_adapter_t *wa, lora_adapter_t **o
         int rc = lora_adapter_new_selected(&ad, &c, m->modules, m->n_modules, sel);
         free(sel);
         TRY(rc);
+        /* The trained router and norm weights travel as full tensors after the pairs. */
+        if (lc->train_router || lc->train_norms)
+            rc = model_adapter_add_full(m, ad, lc->train_router, lc->train_norms);
+        if (rc < 0) {
+            lora_adapter_destroy(&ad);
+            return rc;
+        }
         if (!fits(ad, wa, R, alpha, rslora)) {
             lora_adapter_destroy(&ad);
             return mo_errorf(MO_EMALFORMED,

@@ -20,6 +20,8 @@
 /* Weights.                                                                  */
 
 static void bind_layer(rl_layer_t *r, const model_layer_t *ly) {
+    free(r->absorbed); /* built again from the weights now bound */
+    r->absorbed = NULL;
     r->ly = ly;
     r->wq = ly->wq;
     r->wk = ly->wk;
@@ -79,8 +81,10 @@ void rl_weights_bind(rl_weights_t *w, const model_t *m) {
 
 void rl_weights_free(rl_weights_t *w) {
     if (w->layers)
-        for (int l = 0; l < w->L; l++)
+        for (int l = 0; l < w->L; l++) {
             free(w->layers[l].experts);
+            free(w->layers[l].absorbed);
+        }
     for (int i = 0; w->copies && i < w->n_modules; i++)
         free(w->copies[i]);
     free(w->copies);
@@ -174,6 +178,11 @@ int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad
         base_layer(&w->layers[l], &m->layers[l], m->E);
     if (!ad)
         return MO_OK;
+    if (ad->n_full > 0)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "rollout: the adapter trains router or norm weights in full (\"%s\"); "
+                         "they are applied unmerged only: run the adapter unmerged",
+                         ad->tensors[ad->n_tensors - ad->n_full].name);
     int matched = 0;
     for (int i = 0; i < m->n_modules; i++) {
         const lora_module_desc_t *d = &m->modules[i];
@@ -234,18 +243,103 @@ static int norm_rope(const model_t *m, arena_t *ar, float *out, const float *raw
     return MO_OK;
 }
 
-void decode_kv_dims(const model_t *m, int *kv_heads, int *head_dim) {
-    *kv_heads = m->mla ? m->mla_cfg.H : m->Hkv;
-    *head_dim = m->mla ? m->mla_cfg.pd : m->Dh;
+int decode_kv_cache_init(kv_cache_t *c, const model_t *m, int64_t budget_tokens, int block_tokens) {
+    if (m->mla)
+        return kv_cache_init_latent(c, m->L, m->mla_cfg.kv_rank + m->mla_cfg.rope, budget_tokens,
+                                    block_tokens);
+    return kv_cache_init(c, m->L, m->Hkv, m->Dh, budget_tokens, block_tokens);
 }
 
-/* MLA: o (N, D) from the normed rows ln. mla_forward gives the queries, keys and values
- * at the rows' positions (and, for a prefill, the output itself); a decode takes each row
- * as a sequence of its own there, then attends over the cache and applies o_proj. */
-static int mla_attention(const model_t *m, arena_t *ar, float *o, const float *ln,
-                         const rl_layer_t *r, int l, kv_cache_t *c, const decode_batch_t *b) {
+/* Row i's latent [c_kv (Rkv) | rope(k_pe) (Dr)] into the cache, from mla_forward's acts. */
+static void write_latent(kv_cache_t *c, const mla_cfg_t *mc, const mla_acts_t *a,
+                         const decode_batch_t *b, int l, float *row) {
+    int Rkv = mc->kv_rank, Dr = mc->rope;
+    size_t hp = (size_t)mc->H * mc->pd;
+    for (int i = 0; i < b->N; i++) {
+        memcpy(row, a->ckv_n + (size_t)i * Rkv, sizeof(float) * (size_t)Rkv);
+        memcpy(row + Rkv, a->k + i * hp + mc->nope, sizeof(float) * (size_t)Dr); /* head 0 */
+        kv_write(c, b->seqs[i], l, b->pos[i], row, NULL);
+    }
+}
+
+/* r->absorbed (Rkv, H (Dn + Dv)) = the effective kv_b_proj weight transposed, W + scale
+ * B A with an unmerged adapter on kv_b_proj (the merged weight in merged mode): the
+ * identity through the projection, so every weight dtype and the adapter go the way
+ * proj does. Built once per binding. */
+static int absorbed_weight(const model_t *m, arena_t *ar, rl_layer_t *r) {
+    if (r->absorbed)
+        return MO_OK;
     const mla_cfg_t *mc = &m->mla_cfg;
-    int N = b->N, H = mc->H, Dp = mc->pd, Dv = mc->vd, B = b->B;
+    int Rkv = mc->kv_rank, kvo = mc->H * (mc->nope + mc->vd);
+    float *eye, *wt; /* (Rkv, Rkv), (Rkv, kvo) */
+    ALLOC(eye, ar, (size_t)Rkv * Rkv);
+    memset(eye, 0, sizeof(float) * (size_t)Rkv * Rkv);
+    for (int i = 0; i < Rkv; i++)
+        eye[(size_t)i * Rkv + i] = 1.0f;
+    wt = malloc(sizeof(float) * (size_t)Rkv * (size_t)kvo);
+    if (!wt)
+        return mo_errorf(MO_ENOMEM, "rollout: out of memory for an absorbed kv_b_proj (%d x %d)",
+                         Rkv, kvo);
+    int rc = proj(m, ar, wt, eye, &r->mla.kv_b, r->mla.lora_kv_b, Rkv, Rkv, kvo);
+    if (rc < 0) {
+        free(wt);
+        return rc;
+    }
+    r->absorbed = wt;
+    return MO_OK;
+}
+
+/* ql (N, H, Rkv + Dr) = [q_nope W_UK | rope(q_pe)] from q (N, H, Dp), the absorbed
+ * queries that score directly against the cached latent rows. */
+static void absorb_queries(float *ql, const float *q, const float *wt, const mla_cfg_t *mc, int N) {
+    int H = mc->H, Rkv = mc->kv_rank, Dn = mc->nope, Dr = mc->rope, Dp = mc->pd;
+    size_t W = (size_t)Rkv + (size_t)Dr, ld = (size_t)H * (size_t)(Dn + mc->vd);
+    for (int i = 0; i < N; i++)
+        for (int h = 0; h < H; h++) {
+            const float *qh = q + ((size_t)i * H + h) * Dp;
+            float *d = ql + ((size_t)i * H + h) * W;
+            const float *wk = wt + (size_t)h * (Dn + mc->vd); /* W_UK_h^T column block */
+            for (int cc = 0; cc < Rkv; cc++) {
+                const float *wr = wk + (size_t)cc * ld;
+                float acc = 0.0f;
+                for (int j = 0; j < Dn; j++)
+                    acc += qh[j] * wr[j];
+                d[cc] = acc;
+            }
+            memcpy(d + Rkv, qh + Dn, sizeof(float) * (size_t)Dr);
+        }
+}
+
+/* ao (N, H Dv) = ctx W_UV^T per head from the attended latents ctx (N, H, Rkv). */
+static void expand_values(float *ao, const float *ctx, const float *wt, const mla_cfg_t *mc,
+                          int N) {
+    int H = mc->H, Rkv = mc->kv_rank, Dn = mc->nope, Dv = mc->vd;
+    size_t ld = (size_t)H * (size_t)(Dn + Dv);
+    for (int i = 0; i < N; i++)
+        for (int h = 0; h < H; h++) {
+            const float *ch = ctx + ((size_t)i * H + h) * Rkv;
+            float *d = ao + (size_t)i * H * Dv + (size_t)h * Dv;
+            const float *wv = wt + (size_t)h * (Dn + Dv) + Dn;
+            memset(d, 0, sizeof(float) * (size_t)Dv);
+            for (int cc = 0; cc < Rkv; cc++) {
+                const float *wr = wv + (size_t)cc * ld;
+                for (int v = 0; v < Dv; v++)
+                    d[v] += ch[cc] * wr[v];
+            }
+        }
+}
+
+/* MLA: o (N, D) from the normed rows ln. mla_forward gives the queries and the latent at
+ * the rows' positions (and, for a prefill, the output itself: the expanded form over the
+ * whole sequences); the latent goes into the cache. A decode takes each row as a
+ * sequence of its own in mla_forward, then attends over the cached latents with the
+ * up-projections absorbed: q_nope W_UK scores against c_kv, the attended latent times
+ * W_UV is the head's output, then o_proj. */
+static int mla_attention(const model_t *m, arena_t *ar, float *o, const float *ln, rl_layer_t *r,
+                         int l, kv_cache_t *c, const decode_batch_t *b) {
+    const mla_cfg_t *mc = &m->mla_cfg;
+    int N = b->N, H = mc->H, Rkv = mc->kv_rank, Dv = mc->vd, B = b->B;
+    size_t W = (size_t)Rkv + (size_t)mc->rope;
     const int32_t *cu = b->cu;
     if (!b->prefill) {
         int32_t *each;
@@ -256,25 +350,28 @@ static int mla_attention(const model_t *m, arena_t *ar, float *o, const float *l
         B = N;
     }
     mla_acts_t a;
+    float *row; /* (Rkv + Dr) */
     TRY(mla_forward(m->k, ar, &a, o, ln, mc, &r->mla, b->pos, cu, B, N));
-    size_t hp = (size_t)H * Dp;
-    for (int i = 0; i < N; i++)
-        kv_write(c, b->seqs[i], l, b->pos[i], a.k + i * hp, a.v + i * hp);
+    ALLOC(row, ar, W);
+    write_latent(c, mc, &a, b, l, row);
     if (b->prefill)
         return MO_OK;
-    float *att, *ao;
-    ALLOC(att, ar, (size_t)N * hp);
+    float *ql, *ctx, *ao;
+    TRY(absorbed_weight(m, ar, r));
+    const float *wt = r->absorbed;
+    ALLOC(ql, ar, (size_t)N * H * W);
+    absorb_queries(ql, a.q, wt, mc, N);
+    ALLOC(ctx, ar, (size_t)N * H * Rkv);
+    attn_decode_latent(ctx, ql, c, l, (const kv_seq_t *const *)b->seqs, b->pos, N, H, Rkv,
+                       mc->scale);
     ALLOC(ao, ar, (size_t)N * H * Dv);
-    attn_decode_forward(att, a.q, c, l, (const kv_seq_t *const *)b->seqs, b->pos, N, H, mc->scale,
-                        0);
-    for (size_t nh = 0; nh < (size_t)N * H; nh++)
-        memcpy(ao + nh * Dv, att + nh * Dp, sizeof(float) * (size_t)Dv);
+    expand_values(ao, ctx, wt, mc, N);
     return proj(m, ar, o, ao, &r->mla.o, r->mla.lora_o, N, H * Dv, m->D);
 }
 
 /* o (N, D) = the attention block's output for rows x; k and v go into the cache. */
-static int attention(const model_t *m, arena_t *ar, float *o, const float *x, const rl_layer_t *r,
-                     int l, kv_cache_t *c, const decode_batch_t *b) {
+static int attention(const model_t *m, arena_t *ar, float *o, const float *x, rl_layer_t *r, int l,
+                     kv_cache_t *c, const decode_batch_t *b) {
     const kernels_t *k = m->k;
     int N = b->N, D = m->D, qd = m->H * m->Dh, kvd = m->Hkv * m->Dh;
     float *ln, *rstd, *q, *kk, *v, *qr, *kr, *att;
@@ -315,7 +412,7 @@ static void record(uint16_t *routing, const int32_t *idx, int N, int M, int K, i
             routing[((size_t)i * M + mi) * K + j] = (uint16_t)idx[(size_t)i * K + j];
 }
 
-static int layer(const model_t *m, arena_t *ar, float *x, const rl_layer_t *r, int l, kv_cache_t *c,
+static int layer(const model_t *m, arena_t *ar, float *x, rl_layer_t *r, int l, kv_cache_t *c,
                  const decode_batch_t *b) {
     int N = b->N, D = m->D;
     size_t ND = (size_t)N * D;

@@ -24,10 +24,15 @@ extern "C" {
  *   cache; attention of q over the sequence's cached keys (sliding window honoured);
  *   h = x + o Wo^T (+ LoRA); x' = h + ffn(rmsnorm(h)), ffn the MoE layer with natural
  *   routing (experts recorded) or the dense MLP.
- * DeepSeek-V3 / Kimi K2 layers run multi-head latent attention (actor/mla.h) instead:
- * its per-head keys and values, zero-padded to Dp = max(Dq, Dv), are what the cache
- * holds (a cache of H heads of Dp: the expanded form, not the compressed latent), and
- * the new rows' queries attend to them as GQA with H kv heads.
+ * DeepSeek-V3 / Kimi K2 layers run multi-head latent attention (actor/mla.h) instead,
+ * and the cache holds the compressed latent: per token and layer one row of Rkv + Dr
+ * floats, c_kv after kv_a_layernorm and the rotated shared k_pe (kv_cache_init_latent),
+ * instead of H (Dq + Dv) expanded keys and values. A prefill computes its output in the
+ * expanded form (mla_forward over the whole sequences) and stores the latent; a decode
+ * absorbs kv_b_proj = [W_UK; W_UV] per head: the query's nope part times W_UK scores
+ * against c_kv (plus q_pe . k_pe), and the softmax-weighted latent times W_UV is the
+ * head's output before o_proj. The absorbed weight is the effective one: W + scale B A
+ * for an adapter bound on kv_b_proj, the merged copy in merged mode.
  * The same operations in the same order as model_forward, so a row's result equals the
  * learner's forward of the whole sequence up to float rounding (matrix products batch
  * rows differently). All rows of all sequences go through each matrix product at once. */
@@ -44,6 +49,11 @@ typedef struct rl_layer {
     moe_weights_t moe_w;
     mlp_weights_t dense;
     wview_t *experts; /* (3, E) merged mode: gate, up, down views; NULL otherwise */
+    /* MLA: the effective kv_b_proj weight transposed, (Rkv, H (Dn + Dv)), built by the
+     * first decode step that needs it and dropped whenever the layer is bound or merged
+     * again (an adapter's values must not change between engine_set_adapter calls);
+     * NULL until then. */
+    float *absorbed;
 } rl_layer_t;
 
 /* The layers of a model: views into the model's weights and bound adapter (call again
@@ -75,8 +85,9 @@ void rl_weights_bind(rl_weights_t *w, const model_t *m);
 int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad);
 void rl_weights_free(rl_weights_t *w);
 
-/* The KV cache geometry a model needs: kv heads and head dim (MLA: H and Dp). */
-void decode_kv_dims(const model_t *m, int *kv_heads, int *head_dim);
+/* c = the KV cache a model needs for budget_tokens tokens: keys and values of Hkv heads
+ * of Dh, or for MLA the latent cache of Rkv + Dr floats per token and layer. */
+int decode_kv_cache_init(kv_cache_t *c, const model_t *m, int64_t budget_tokens, int block_tokens);
 
 /* The new rows of one forward. */
 typedef struct decode_batch {
@@ -91,7 +102,8 @@ typedef struct decode_batch {
 } decode_batch_t;
 
 /* x (N, D) = the residual stream after the last layer for the batch's rows; every
- * row's k and v are written into the cache. Temporaries come from ar (reset inside
+ * row's k and v (MLA: latent) are written into the cache; MLA layers' absorbed weights
+ * are built into w's layers when missing. Temporaries come from ar (reset inside
  * after each layer: pass an arena that holds nothing the caller keeps). */
 int decode_forward(const model_t *m, const rl_weights_t *w, kv_cache_t *c, arena_t *ar,
                    const decode_batch_t *b, float *x);

@@ -180,11 +180,9 @@ int engine_new(engine_t **out, model_t *m, const engine_opts_t *opts) {
     e->K = m->K;
     arena_init(&e->step_ar, (size_t)1 << 20);
     arena_init(&e->layer_ar, (size_t)1 << 20);
-    int rc = resolve_opts(&e->opts, m), kv_heads, head_dim;
-    decode_kv_dims(m, &kv_heads, &head_dim);
+    int rc = resolve_opts(&e->opts, m);
     if (rc == MO_OK)
-        rc = kv_cache_init(&e->kv, m->L, kv_heads, head_dim, e->opts.kv_cache_tokens,
-                           e->opts.block_tokens);
+        rc = decode_kv_cache_init(&e->kv, m, e->opts.kv_cache_tokens, e->opts.block_tokens);
     if (rc == MO_OK)
         rc = rl_weights_init(&e->w, m);
     if (rc == MO_OK && e->opts.merge_adapter)
@@ -287,6 +285,10 @@ engine_stats_t engine_get_stats(const engine_t *e) {
 
 engine_opts_t engine_get_opts(const engine_t *e) {
     return e->opts;
+}
+
+size_t engine_kv_token_bytes(const engine_t *e) {
+    return kv_cache_token_bytes(&e->kv);
 }
 
 int engine_pending(const engine_t *e) {

@@ -154,7 +154,8 @@ void engine_destroy(engine_t **e);
 /* Replaces the adapter (NULL: the base) between steps; running samples continue with it
  * from their next token, keeping the keys and values already cached. version is
  * recorded in the samples (version_first / version_last). The adapter must outlive its
- * use. MO_EINVAL when it does not fit the model (the previous adapter stays). */
+ * use, and its values must not change until the next engine_set_adapter (set it again
+ * after changing them: MLA models keep the absorbed kv_b_proj built from them). MO_EINVAL when it does not fit the model (the previous adapter stays). */
 int engine_set_adapter(engine_t *e, const lora_adapter_t *ad, int64_t version);
 
 /* Queues a request. MO_OK when accepted. A bad request (empty prompt, an id outside
@@ -175,6 +176,9 @@ int engine_collect(engine_t *e, gen_group_t **out);
 
 /* Requests submitted and not yet collected. */
 int engine_pending(const engine_t *e);
+/* Bytes the engine's KV cache holds per token over all layers (kv_cache_token_bytes):
+ * 2 L Hkv Dh floats, or L (kv_lora_rank + qk_rope_head_dim) floats for MLA. */
+size_t engine_kv_token_bytes(const engine_t *e);
 
 /* Runs n requests to completion on an idle engine (MO_ESTATE otherwise): out (n)
  * receives their groups in request order (per-request errors inside them). Returns

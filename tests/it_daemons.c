@@ -288,6 +288,37 @@ static void test_job_completes(void) {
     g_done = j;
 }
 
+/* lora.train_router and lora.train_norms: the learner publishes the routers and norms
+ * with the adapter, the rollouts (unmerged) apply them, the checkpoint holds them as
+ * PEFT modules_to_save. */
+static void test_full_tensors_job(void) {
+    job_t j;
+    job_write(&j, 2, NULL);
+#define FULL_SETS "--set", "lora.train_router=true", "--set", "lora.train_norms=true"
+    const char *l[] = {"learner", j.cfg, FULL_SETS, NULL};
+    const char *w[] = {"reward", j.cfg, "--worker-id", "0", NULL};
+    const char *r0[] = {"rollout", j.cfg, "--worker-id", "0", FULL_SETS, NULL};
+    const char *r1[] = {"rollout", j.cfg, "--worker-id", "1", FULL_SETS, NULL};
+#undef FULL_SETS
+    j.learner = spawn(j.log_l, l);
+    j.reward = spawn(j.log_w, w);
+    j.rollout[0] = spawn(j.log_r[0], r0);
+    j.rollout[1] = spawn(j.log_r[1], r1);
+    job_wait_clean(&j);
+    char lm[1100], rm[2][1100], acfg[1200];
+    metrics_path(&j, "learner", lm, sizeof lm);
+    metrics_path(&j, "rollout-0", rm[0], sizeof rm[0]);
+    metrics_path(&j, "rollout-1", rm[1], sizeof rm[1]);
+    CU_ASSERT_EQUAL(last_value(lm, "moerl_learner_step"), 2);
+    CU_ASSERT(last_value(rm[0], "moerl_rollout_adapter_version") >= 1 ||
+              last_value(rm[1], "moerl_rollout_adapter_version") >= 1);
+    snprintf(acfg, sizeof acfg, "%s/checkpoints/step-000002/adapter/adapter_config.json", j.run);
+    CU_ASSERT(file_has(acfg, "\"modules_to_save\""));
+    CU_ASSERT(file_has(acfg, "\"input_layernorm\""));
+    CU_ASSERT(file_has(acfg, "\"mlp.gate\""));
+    CU_ASSERT(file_has(acfg, "\"model.norm\""));
+}
+
 /* The finished job again with --resume and two more steps: it goes on from step 3. */
 static void test_resume(void) {
     job_t j = g_done;
@@ -573,6 +604,7 @@ int main(void) {
     }
     CU_TestInfo tests[] = {
         {"3-step job with 2 rollout and 1 reward workers", test_job_completes},
+        {"routers and norms trained in full, published and applied", test_full_tensors_job},
         {"--resume goes on from the last checkpoint", test_resume},
         {"bad config, options, reward and CURVE fail at once", test_bad_start},
         {"an endpoint in use fails at once", test_busy_endpoint},

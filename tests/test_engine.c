@@ -76,6 +76,20 @@ static lora_adapter_t *make_adapter(const model_t *m, uint64_t seed) {
     return ad;
 }
 
+/* make_adapter plus the routers and norms trained in full (model_adapter_add_full), each
+ * value moved by a random factor in [0.7, 1.3). */
+static lora_adapter_t *make_adapter_full(model_t *m, uint64_t seed) {
+    lora_adapter_t *ad = make_adapter(m, seed);
+    int t0 = ad->n_tensors;
+    CU_ASSERT_EQUAL_FATAL(model_adapter_add_full(m, ad, m->n_moe > 0, 1), 0);
+    for (int i = t0; i < ad->n_tensors; i++) {
+        float *p = ad->params + ad->tensors[i].offset;
+        for (size_t j = 0; j < ad->tensors[i].numel; j++)
+            p[j] *= 0.7f + 0.6f * rng_uniform(seed, 300 + (uint64_t)i, j);
+    }
+    return ad;
+}
+
 static engine_t *new_engine(fx_t *f, const engine_opts_t *o) {
     engine_opts_t d;
     memset(&d, 0, sizeof d);
@@ -193,7 +207,10 @@ static void check_groups(model_t *m, gen_group_t **g, int n, const float *temps,
 static void consistency(model_arch_t arch, dtype_t dt, int with_adapter, int merge) {
     fx_t f;
     fx_open(&f, arch, dt);
-    lora_adapter_t *ad = with_adapter ? make_adapter(f.m, 3) : NULL;
+    /* with_adapter 2: routers and norms trained in full too */
+    lora_adapter_t *ad = with_adapter == 2 ? make_adapter_full(f.m, 3)
+                         : with_adapter    ? make_adapter(f.m, 3)
+                                           : NULL;
     engine_opts_t o;
     memset(&o, 0, sizeof o);
     o.max_batch = 16;
@@ -202,6 +219,8 @@ static void consistency(model_arch_t arch, dtype_t dt, int with_adapter, int mer
     o.merge_adapter = merge;
     engine_t *e = new_engine(&f, &o);
     CU_ASSERT_EQUAL_FATAL(engine_set_adapter(e, ad, 5), 0);
+    if (with_adapter == 2) /* the learner's forward below reads the adapter's norms */
+        CU_ASSERT(f.m->final_norm == ad->params + ad->tensors[ad->n_tensors - 1].offset);
     if (merge) /* the learner side runs the adapter unmerged */
         CU_ASSERT_EQUAL_FATAL(model_set_adapter(f.m, ad), 0);
     int32_t p[4][24];
@@ -223,8 +242,9 @@ static void consistency(model_arch_t arch, dtype_t dt, int with_adapter, int mer
             CU_ASSERT_EQUAL(g[i]->samples[j].version_last, 5);
         }
     char what[96];
-    snprintf(what, sizeof what, "%s %s%s%s", f.m->cfg.model_type, dtype_name(dt),
-             with_adapter ? " + adapter" : "", merge ? " (merged)" : "");
+    snprintf(what, sizeof what, "%s %s%s%s%s", f.m->cfg.model_type, dtype_name(dt),
+             with_adapter ? " + adapter" : "", with_adapter == 2 ? ", router and norms" : "",
+             merge ? " (merged)" : "");
     check_groups(f.m, g, 4, temps, what);
     /* Greedy samples of one prompt agree. */
     CU_ASSERT_EQUAL(g[2]->samples[0].n_tokens, g[2]->samples[1].n_tokens);
@@ -241,6 +261,28 @@ static void test_consistency_qwen3(void) {
     consistency(ARCH_QWEN3_MOE, DT_BF16, 1, 0);
 }
 
+/* Routers and norms trained in full: applied by the unmerged engine (its logprobs are
+ * the learner's with them bound), refused by the merged one. */
+static void test_full_tensors(void) {
+    consistency(ARCH_QWEN3_MOE, DT_F32, 2, 0);
+    consistency(ARCH_MIXTRAL, DT_F32, 2, 0);
+    consistency(ARCH_DEEPSEEK_V3, DT_F32, 2, 0);
+    fx_t f;
+    fx_open(&f, ARCH_QWEN3_MOE, DT_F32);
+    lora_adapter_t *ad = make_adapter_full(f.m, 4);
+    engine_opts_t o;
+    memset(&o, 0, sizeof o);
+    o.max_batch = 4;
+    o.max_seq_len = 32;
+    o.merge_adapter = 1;
+    engine_t *e = new_engine(&f, &o);
+    CU_ASSERT_EQUAL(engine_set_adapter(e, ad, 1), MO_EUNSUPPORTED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "unmerged"));
+    engine_destroy(&e);
+    lora_adapter_destroy(&ad);
+    fx_close(&f);
+}
+
 static void test_consistency_mixtral(void) {
     consistency(ARCH_MIXTRAL, DT_BF16, 0, 0);
     consistency(ARCH_MIXTRAL, DT_BF16, 1, 0);
@@ -255,6 +297,35 @@ static void test_consistency_deepseek(void) {
 static void test_merged_adapter(void) {
     consistency(ARCH_QWEN3_MOE, DT_F32, 1, 1);
     consistency(ARCH_DEEPSEEK_V3, DT_F32, 1, 1);
+}
+
+/* The KV cache holds, per token and layer, the MLA latent (kv_lora_rank +
+ * qk_rope_head_dim floats) for DeepSeek-V3, and keys and values of every kv head
+ * otherwise. */
+static void test_kv_memory(void) {
+    fx_t f;
+    fx_open(&f, ARCH_DEEPSEEK_V3, DT_BF16);
+    const model_config_t *c = &f.m->cfg;
+    engine_t *e = new_engine(&f, NULL);
+    size_t latent = sizeof(float) * (size_t)c->num_hidden_layers *
+                    (size_t)(c->kv_lora_rank + c->qk_rope_head_dim);
+    size_t expanded = sizeof(float) * (size_t)c->num_hidden_layers *
+                      (size_t)c->num_attention_heads *
+                      (size_t)(c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim);
+    size_t got = engine_kv_token_bytes(e);
+    tu_report("deepseek_v3 KV cache: %zu bytes per token (latent), expanded keys and values "
+              "would be %zu",
+              got, expanded);
+    CU_ASSERT_EQUAL(got, latent);
+    CU_ASSERT(got < expanded);
+    engine_destroy(&e);
+    fx_close(&f);
+    fx_open(&f, ARCH_QWEN3_MOE, DT_BF16);
+    e = new_engine(&f, NULL);
+    CU_ASSERT_EQUAL(engine_kv_token_bytes(e),
+                    2 * sizeof(float) * (size_t)f.m->L * (size_t)f.m->Hkv * (size_t)f.m->Dh);
+    engine_destroy(&e);
+    fx_close(&f);
 }
 
 /* The same requests in one batch, one at a time, and on one thread give the same tokens. */
@@ -366,9 +437,9 @@ static int run_until_done(engine_t *e, gen_group_t **out, int n) {
 
 /* Swapping the adapter between decode steps: tokens before the swap are as under the
  * old adapter, the next token's distribution changes, versions are recorded. */
-static void adapter_swap(int merge) {
+static void adapter_swap(model_arch_t arch, dtype_t dt, int merge) {
     fx_t f;
-    fx_open(&f, ARCH_QWEN3_MOE, DT_BF16);
+    fx_open(&f, arch, dt);
     lora_adapter_t *a1 = make_adapter(f.m, 21), *a2 = make_adapter(f.m, 22);
     int32_t p[9];
     prompt_of(p, 9, 3);
@@ -393,7 +464,7 @@ static void adapter_swap(int merge) {
     lora_module_desc_t *mods = malloc(sizeof *mods * (size_t)f.m->n_modules);
     memcpy(mods, f.m->modules, sizeof *mods * (size_t)f.m->n_modules);
     mods[0].OC += 1;
-    const char *targets[1] = {"q_proj"};
+    const char *targets[1] = {"all-linear"};
     lora_config_t lc = {2, 2.0f, 0, 0.0f, 1, 1, targets, 1};
     lora_adapter_t *bad = NULL;
     CU_ASSERT_EQUAL_FATAL(lora_adapter_new(&bad, &lc, mods, f.m->n_modules), 0);
@@ -440,8 +511,12 @@ static void adapter_swap(int merge) {
 }
 
 static void test_adapter_swap(void) {
-    adapter_swap(0);
-    adapter_swap(1); /* merged: the copies are rebuilt, the base is untouched */
+    adapter_swap(ARCH_QWEN3_MOE, DT_BF16, 0);
+    adapter_swap(ARCH_QWEN3_MOE, DT_BF16, 1); /* merged: the copies are rebuilt, the base is
+                                                 untouched */
+    /* MLA: the absorbed kv_b_proj follows the adapter (unmerged and merged). */
+    adapter_swap(ARCH_DEEPSEEK_V3, DT_BF16, 0);
+    adapter_swap(ARCH_DEEPSEEK_V3, DT_F32, 1);
 }
 
 /* Byte length of the text of tokens [0, k). */
@@ -895,7 +970,9 @@ int main(void) {
         {"mixtral (sliding window): logprobs and routing vs the learner", test_consistency_mixtral},
         {"deepseek_v3 (MLA, shared expert, sigmoid router) vs the learner",
          test_consistency_deepseek},
+        {"KV cache bytes per token: the MLA latent", test_kv_memory},
         {"merged adapter vs the learner", test_merged_adapter},
+        {"routers and norms trained in full: unmerged only", test_full_tensors},
         {"batch vs one by one vs one thread", test_batch_vs_single},
         {"shared vs separate prefill", test_prefix_sharing},
         {"adapter swap mid-generation (unmerged and merged)", test_adapter_swap},

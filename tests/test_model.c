@@ -163,9 +163,11 @@ static size_t sample_param(const lora_adapter_t *ad, int i, uint64_t seed) {
     return t->offset + j;
 }
 
-/* Central differences on n sampled parameters, skipping nudges that change the
+typedef size_t (*sampler_fn)(const lora_adapter_t *ad, int i, uint64_t seed);
+
+/* Central differences on n parameters drawn by sample, skipping nudges that change the
  * routing; returns the normalised error max |fd - an| / max |an|. */
-static double fd_check(fx_t *f, int n, float eps, int *checked) {
+static double fd_check_with(fx_t *f, int n, float eps, int *checked, sampler_fn sample) {
     fx_gradient(f);
     size_t rl = routing_len(f);
     uint16_t *r0 = calloc(rl, 2), *r1 = calloc(rl, 2);
@@ -174,7 +176,7 @@ static double fd_check(fx_t *f, int n, float eps, int *checked) {
     double maxd = 0.0, maxg = 1e-3;
     *checked = 0;
     for (int i = 0; i < n; i++) {
-        size_t p = sample_param(f->ad, i, 99);
+        size_t p = sample(f->ad, i, 99);
         float keep = f->ad->params[p];
         f->ad->params[p] = keep + eps;
         double lp = fx_forward(f, f->m, logp, ent, r1, NULL, 0);
@@ -193,6 +195,10 @@ static double fd_check(fx_t *f, int n, float eps, int *checked) {
     free(r0);
     free(r1);
     return maxd / maxg;
+}
+
+static double fd_check(fx_t *f, int n, float eps, int *checked) {
+    return fd_check_with(f, n, eps, checked, sample_param);
 }
 
 static void run_fd(fx_kind_t kind, float aux) {
@@ -259,6 +265,98 @@ static void run_fd_pool(fx_kind_t kind) {
     free(g0);
     model_destroy(&rm);
     fx_close(&f);
+}
+
+/* Parameter index of a sample among the full tensors: tensor by turns, element at random. */
+static size_t sample_full(const lora_adapter_t *ad, int i, uint64_t seed) {
+    const lora_tensor_t *t = &ad->tensors[ad->n_tensors - ad->n_full + i % ad->n_full];
+    size_t j = (size_t)(rng_uniform(seed, 9, (uint64_t)i) * (float)t->numel) % t->numel;
+    return t->offset + j;
+}
+
+/* Router and norm weights trained in full (model_adapter_add_full), with the balance
+ * loss on: the table and initial values, their gradients against central differences,
+ * the frozen weights back after unbinding, and a full tensor the model lacks refused. */
+static void run_fd_full(fx_kind_t kind, int recompute) {
+    fx_t f;
+    model_opts_t o = {recompute, 0, 0.05f};
+    fx_open(&f, kind, &o, 0.15f);
+    model_t *m = f.m;
+    CU_ASSERT_EQUAL_FATAL(model_set_adapter(m, NULL), 0);
+    const float *norm0 = m->layers[0].attn_norm, *fnorm0 = m->final_norm;
+    const void *router0 = m->layers[0].moe_w.router.data;
+    CU_ASSERT_FATAL(m->layers[0].moe);
+    int lora_tensors = f.ad->n_tensors, want = 1;
+    for (int l = 0; l < m->L; l++)
+        want += 2 + (m->layers[l].q_norm ? 2 : 0) + m->layers[l].moe;
+    CU_ASSERT_EQUAL_FATAL(model_adapter_add_full(m, f.ad, 1, 1), 0);
+    CU_ASSERT_EQUAL(f.ad->n_full, want);
+    CU_ASSERT_EQUAL(f.ad->n_tensors, lora_tensors + want);
+    const lora_tensor_t *t0 = &f.ad->tensors[lora_tensors],
+                        *tl = &f.ad->tensors[f.ad->n_tensors - 1];
+    CU_ASSERT_STRING_EQUAL(t0->name, "model.layers.0.input_layernorm.weight");
+    CU_ASSERT_STRING_EQUAL(tl->name, "model.norm.weight");
+    CU_ASSERT(memcmp(f.ad->params + t0->offset, norm0, sizeof(float) * (size_t)m->D) == 0);
+    int rt = lora_adapter_find_full(f.ad, kind == FX_MIXTRAL
+                                              ? "model.layers.0.block_sparse_moe.gate.weight"
+                                              : "model.layers.0.mlp.gate.weight");
+    CU_ASSERT_FATAL(rt >= 0);
+    CU_ASSERT(f.ad->tensors[rt].shape[0] == m->E && f.ad->tensors[rt].shape[1] == m->D);
+    CU_ASSERT(memcmp(f.ad->params + f.ad->tensors[rt].offset, router0,
+                     sizeof(float) * (size_t)m->E * m->D) == 0); /* the fixture is F32 */
+    if (kind == FX_QWEN3)
+        CU_ASSERT(lora_adapter_find_full(f.ad, "model.layers.0.self_attn.q_norm.weight") >= 0);
+    /* Away from the initial values, so that every weight matters on its own. */
+    for (int t = lora_tensors; t < f.ad->n_tensors; t++) {
+        float *p = f.ad->params + f.ad->tensors[t].offset;
+        for (size_t j = 0; j < f.ad->tensors[t].numel; j++)
+            p[j] *= 0.7f + 0.6f * rng_uniform(21, (uint64_t)t, j);
+    }
+    CU_ASSERT_EQUAL_FATAL(model_set_adapter(m, f.ad), 0);
+    CU_ASSERT(m->layers[0].attn_norm == f.ad->params + t0->offset);
+    CU_ASSERT(m->final_norm == f.ad->params + tl->offset);
+    CU_ASSERT(m->d_final_norm == f.ad->grads + tl->offset);
+    int checked = 0;
+    double err = fd_check_with(&f, 60, 1e-3f, &checked, sample_full);
+    if (checked < 40)
+        tu_report("only %d of 60 finite-difference samples kept their routing", checked);
+    CU_ASSERT(checked >= 40);
+    TU_ASSERT_CLOSE(err, 1e-2,
+                    kind == FX_QWEN3 ? "qwen3 router and norm gradients"
+                                     : "mixtral router and norm gradients");
+    /* Every full tensor received a gradient. */
+    for (int t = lora_tensors; t < f.ad->n_tensors; t++) {
+        double g = 0.0;
+        for (size_t j = 0; j < f.ad->tensors[t].numel; j++)
+            g += fabs(f.ad->grads[f.ad->tensors[t].offset + j]);
+        if (!(g > 0.0))
+            tu_report("no gradient for %s", f.ad->tensors[t].name);
+        CU_ASSERT(g > 0.0);
+    }
+    CU_ASSERT_EQUAL(model_set_adapter(m, NULL), 0);
+    CU_ASSERT(m->layers[0].attn_norm == norm0 && m->final_norm == fnorm0);
+    CU_ASSERT(m->layers[0].moe_w.router.data == router0);
+    CU_ASSERT_PTR_NULL(m->layers[0].d_attn_norm);
+    CU_ASSERT_PTR_NULL(m->layers[0].moe_w.drouter);
+    /* A full tensor that is not a weight of the model. */
+    lora_adapter_t *other = make_adapter(m, "q_proj", 2);
+    float v[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+    CU_ASSERT_EQUAL_FATAL(lora_adapter_add_full(other, "model.layers.0.foo.weight", 4, 1, v), 0);
+    CU_ASSERT_EQUAL(lora_adapter_add_full(other, "model.layers.0.foo.weight", 4, 1, v), MO_EINVAL);
+    CU_ASSERT_EQUAL(model_set_adapter(m, other), MO_EINVAL);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "model.layers.0.foo.weight"));
+    CU_ASSERT_PTR_NULL(m->adapter);
+    CU_ASSERT_PTR_NULL(m->layers[0].lora_q);
+    lora_adapter_destroy(&other);
+    fx_close(&f);
+}
+
+static void test_fd_full_qwen3(void) {
+    run_fd_full(FX_QWEN3, 0);
+}
+
+static void test_fd_full_mixtral_recompute(void) {
+    run_fd_full(FX_MIXTRAL, 1);
 }
 
 static void test_fd_aux_pool(void) {
@@ -619,6 +717,8 @@ int main(void) {
         {"fd_aux_loss", test_fd_aux_loss},
         {"fd_aux_pool", test_fd_aux_pool},
         {"fd_deepseek_moe_path", test_fd_deepseek_moe_path},
+        {"fd_full_qwen3", test_fd_full_qwen3},
+        {"fd_full_mixtral_recompute", test_fd_full_mixtral_recompute},
         {"recompute_identical", test_recompute_identical},
         {"replay", test_replay},
         {"base_equals_zero_b", test_base_equals_zero_b},

@@ -169,6 +169,98 @@ static void test_roundtrip(void) {
     tu_rmtree(tmp);
 }
 
+static char *slurp(const char *path);
+
+/* Router and norm weights trained in full travel as PEFT modules_to_save. */
+static void add_full_tensors(lora_adapter_t *ad, uint64_t seed) {
+    float v[3 * 16];
+    char nm[96];
+    for (int l = 0; l < 2; l++) {
+        tu_fill(v, 16, seed + 10 * l, 0.5f, 1.5f);
+        snprintf(nm, sizeof nm, "model.layers.%d.input_layernorm.weight", l);
+        CU_ASSERT_EQUAL_FATAL(lora_adapter_add_full(ad, nm, 16, 1, v), 0);
+        tu_fill(v, 3 * 16, seed + 10 * l + 1, -0.5f, 0.5f);
+        snprintf(nm, sizeof nm, "model.layers.%d.mlp.gate.weight", l);
+        CU_ASSERT_EQUAL_FATAL(lora_adapter_add_full(ad, nm, 3, 16, v), 0);
+    }
+    tu_fill(v, 16, seed + 99, 0.5f, 1.5f);
+    CU_ASSERT_EQUAL_FATAL(lora_adapter_add_full(ad, "model.norm.weight", 16, 1, v), 0);
+}
+
+static void test_modules_to_save(void) {
+    char tmp[512];
+    CU_ASSERT_FATAL(tu_tmpdir(tmp, sizeof tmp) == 0);
+    lora_adapter_t *ad = make_adapter(4, 8.0f, 0, 11);
+    size_t lora_params = ad->n_params;
+    add_full_tensors(ad, 3);
+    CU_ASSERT_EQUAL(ad->n_full, 5);
+    CU_ASSERT_EQUAL(ad->n_tensors, 2 * ad->n_entries + 5);
+    CU_ASSERT_EQUAL(ad->n_params, lora_params + 2 * 16 + 2 * 3 * 16 + 16);
+    const char *dir = path2(tmp, "adapter");
+    CU_ASSERT_EQUAL_FATAL(peft_save(ad, dir, NULL), 0);
+
+    /* the keys and shapes PEFT uses: 1-D norm vectors, (E, D) routers */
+    st_file_t *f = NULL;
+    CU_ASSERT_EQUAL_FATAL(st_open(&f, path2(dir, PEFT_WEIGHTS_NAME)), 0);
+    int i = st_find(f, "base_model.model.model.layers.1.input_layernorm.modules_to_save.default."
+                       "weight");
+    CU_ASSERT_FATAL(i >= 0);
+    CU_ASSERT(st_info(f, i)->ndim == 1 && st_info(f, i)->shape[0] == 16);
+    i = st_find(f, "base_model.model.model.layers.0.mlp.gate.modules_to_save.default.weight");
+    CU_ASSERT_FATAL(i >= 0);
+    CU_ASSERT(st_info(f, i)->ndim == 2 && st_info(f, i)->shape[0] == 3 &&
+              st_info(f, i)->shape[1] == 16);
+    CU_ASSERT(st_find(f, "base_model.model.model.norm.modules_to_save.default.weight") >= 0);
+    CU_ASSERT_EQUAL(st_count(f), ad->n_tensors);
+    st_close(&f);
+    char *cfg = slurp(path2(dir, PEFT_CONFIG_NAME));
+    cJSON *j = cJSON_Parse(cfg);
+    const cJSON *ms = cJSON_GetObjectItemCaseSensitive(j, "modules_to_save");
+    CU_ASSERT_FATAL(cJSON_IsArray(ms));
+    CU_ASSERT_EQUAL_FATAL(cJSON_GetArraySize(ms), 3);
+    CU_ASSERT_STRING_EQUAL(cJSON_GetArrayItem(ms, 0)->valuestring, "input_layernorm");
+    CU_ASSERT_STRING_EQUAL(cJSON_GetArrayItem(ms, 1)->valuestring, "mlp.gate");
+    CU_ASSERT_STRING_EQUAL(cJSON_GetArrayItem(ms, 2)->valuestring, "model.norm");
+    cJSON_Delete(j);
+    free(cfg);
+
+    /* into an adapter with the same full tensors (other values) */
+    lora_adapter_t *b = make_adapter(4, 8.0f, 0, 12);
+    add_full_tensors(b, 4);
+    CU_ASSERT_NOT_EQUAL(memcmp(ad->params, b->params, ad->n_params * 4), 0);
+    CU_ASSERT_EQUAL_FATAL(peft_load(b, dir), 0);
+    CU_ASSERT_EQUAL(memcmp(ad->params, b->params, ad->n_params * 4), 0);
+    CU_ASSERT_EQUAL(lora_adapter_checksum(b), lora_adapter_checksum(ad));
+
+    /* a new adapter from the directory: the full tensors come from the file */
+    lora_adapter_t *c = NULL;
+    CU_ASSERT_EQUAL_FATAL(peft_load_new(&c, dir, g_m, g_n, 0), 0);
+    CU_ASSERT_EQUAL(c->n_full, 5);
+    CU_ASSERT_EQUAL_FATAL(c->n_params, ad->n_params);
+    CU_ASSERT_EQUAL(memcmp(ad->params, c->params, ad->n_params * 4), 0);
+    for (int t = 0; t < ad->n_tensors; t++) {
+        CU_ASSERT_STRING_EQUAL(c->tensors[t].name, ad->tensors[t].name);
+        CU_ASSERT(c->tensors[t].shape[0] == ad->tensors[t].shape[0] &&
+                  c->tensors[t].shape[1] == ad->tensors[t].shape[1]);
+    }
+
+    /* an adapter without them refuses the file, naming the extra key */
+    lora_adapter_t *plain = make_adapter(4, 8.0f, 0, 13);
+    CU_ASSERT_EQUAL(peft_load(plain, dir), MO_EMALFORMED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "modules_to_save.default.weight"));
+    /* ... and an adapter with them refuses a file without them */
+    const char *dir2 = path2(tmp, "plain");
+    CU_ASSERT_EQUAL_FATAL(peft_save(plain, dir2, NULL), 0);
+    CU_ASSERT_EQUAL(peft_load(b, dir2), MO_EMALFORMED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "missing key"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "modules_to_save.default.weight"));
+    lora_adapter_destroy(&ad);
+    lora_adapter_destroy(&b);
+    lora_adapter_destroy(&c);
+    lora_adapter_destroy(&plain);
+    tu_rmtree(tmp);
+}
+
 static void test_rslora_bf16(void) {
     char tmp[512];
     CU_ASSERT_FATAL(tu_tmpdir(tmp, sizeof tmp) == 0);
@@ -580,6 +672,7 @@ int main(void) {
     CU_TestInfo tests[] = {
         {"save, load, identical buffers and outputs", test_roundtrip},
         {"rsLoRA, bf16 file", test_rslora_bf16},
+        {"modules_to_save: router and norm weights", test_modules_to_save},
         {"adapter_config.json fields", test_config_fields},
         {"key names and metadata", test_key_names},
         {"bad files", test_bad_files},

@@ -92,6 +92,48 @@ static double surrogate(trainer_t *t, sample_group_t **g, int n) {
     return L;
 }
 
+/* lora.train_router and lora.train_norms: the routers and norms join the flat buffer
+ * after the LoRA tensors, start at the model's values, and one step moves every one. */
+static void test_full_tensors_move(void) {
+    lf_t f;
+    lf_open(&f);
+    lf_set(&f, "lora.train_router", "true");
+    lf_set(&f, "lora.train_norms", "true");
+    trainer_t *t = lf_trainer(&f);
+    const lora_adapter_t *ad = t->adapter;
+    model_t *m = t->model;
+    int want = 1;
+    for (int l = 0; l < m->L; l++)
+        want += 2 + (m->layers[l].q_norm ? 2 : 0) + m->layers[l].moe;
+    CU_ASSERT_EQUAL_FATAL(ad->n_full, want);
+    int t0 = ad->n_tensors - ad->n_full;
+    CU_ASSERT(t0 == 2 * ad->n_entries);
+    int rt = lora_adapter_find_full(ad, "model.layers.1.mlp.gate.weight");
+    CU_ASSERT_FATAL(rt >= 0);
+    CU_ASSERT(m->layers[1].moe_w.router.data == ad->params + ad->tensors[rt].offset);
+    CU_ASSERT(m->layers[1].moe_w.drouter == ad->grads + ad->tensors[rt].offset);
+    CU_ASSERT(m->final_norm == ad->params + ad->tensors[ad->n_tensors - 1].offset);
+    sample_group_t *g[4];
+    make_batch(t, g, 0);
+    float *before = copy_params(t);
+    trainer_metrics_t mt;
+    CU_ASSERT_EQUAL_FATAL(step(t, g, 4, &mt), 0);
+    CU_ASSERT_EQUAL(mt.updates, 2);
+    CU_ASSERT(mt.grad_norm > 0 && isfinite(mt.grad_norm));
+    for (int i = t0; i < ad->n_tensors; i++) {
+        const lora_tensor_t *lt = &ad->tensors[i];
+        int moved =
+            memcmp(before + lt->offset, ad->params + lt->offset, sizeof(float) * lt->numel) != 0;
+        if (!moved)
+            tu_report("%s did not move", lt->name);
+        CU_ASSERT(moved);
+    }
+    free(before);
+    lf_free_groups(g, 4);
+    trainer_destroy(&t);
+    lf_close(&f);
+}
+
 static void test_loss_decreases(void) {
     lf_t f;
     lf_open(&f);
@@ -428,6 +470,7 @@ int main(void) {
     CU_TestInfo tests[] = {
         {"one step updates the adapter", test_step_updates},
         {"the loss falls on a fixed batch", test_loss_decreases},
+        {"trained routers and norms move", test_full_tensors_move},
         {"stale samples are dropped", test_staleness},
         {"flat groups and dynamic sampling", test_flat_groups},
         {"non-finite rewards and forwards skip", test_nonfinite},
