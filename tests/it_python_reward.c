@@ -43,6 +43,23 @@ static pid_t start_server(it_job_t *j, bool learner, const char *version) {
     return it_spawn(j, "python.log", argv);
 }
 
+/* Waits until the log file `name` of job j contains `text`. */
+static bool wait_log(it_job_t *j, const char *name, const char *text, int timeout_ms) {
+    char path[IT_PATH + 64];
+    snprintf(path, sizeof path, "%s/%s", j->dir, name);
+    double end = it_now_ms() + timeout_ms;
+    for (;;) {
+        char *log = it_slurp(path);
+        bool found = log && strstr(log, text);
+        free(log);
+        if (found)
+            return true;
+        if (it_now_ms() > end)
+            return false;
+        it_sleep_ms(20);
+    }
+}
+
 /* Sends one frame on s and decodes the answer (1 s at most). */
 static int ask(void *s, const void *buf, size_t len, msg_t *reply) {
     msg_init(reply);
@@ -193,6 +210,15 @@ static void test_job(void) {
     pid_t py = start_server(&j, true, "1");
     const char *la[] = {tu_moerl_exe(), "learner", j.config, NULL};
     pid_t learner = it_spawn(&j, "learner.log", la);
+    /* The rollouts start once the server has registered: a job this short could otherwise
+     * end before a server that is slow to start says hello, and then nobody tells it to
+     * stop (it keeps waiting for a learner, as a server started before its job does). */
+    bool registered = wait_log(&j, "python.log", "registered with the learner", 30000);
+    if (!registered) {
+        it_dump(&j, "learner.log");
+        it_dump(&j, "python.log");
+    }
+    CU_ASSERT_FATAL(registered);
     const char *r0[] = {tu_moerl_exe(), "rollout", j.config, "--worker-id", "0", NULL};
     const char *r1[] = {tu_moerl_exe(), "rollout", j.config, "--worker-id", "1", NULL};
     it_spawn(&j, "rollout0.log", r0);
@@ -255,7 +281,12 @@ static void test_job(void) {
     cJSON_Delete(first);
 
     /* The server registered, scored every group and stopped with the run. */
-    CU_ASSERT_FATAL(it_wait(py, 20000, &st));
+    ok = it_wait(py, 20000, &st);
+    if (!ok) {
+        it_dump(&j, "learner.log");
+        it_dump(&j, "python.log");
+    }
+    CU_ASSERT_FATAL(ok);
     CU_ASSERT_EQUAL(it_exit_code(st), 0);
     char path[IT_PATH + 32];
     snprintf(path, sizeof path, "%s/python.log", j.dir);
