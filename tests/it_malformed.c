@@ -196,20 +196,9 @@ static double malformed_sum(const cJSON *o) {
 
 static void test_malformed_everywhere(void) {
     int steps = IT_ASAN ? 8 : 12;
-    it_knobs_t k = it_knobs_default();
-    k.steps = steps;
-    char extra[4096];
-    it_sections(extra, sizeof extra, &k);
     it_job_t j;
-    it_open(&j, extra);
-    const char *argv[] = {tu_moerl_exe(), "run", j.config, "--no-status", NULL};
-    pid_t run = it_spawn(&j, "run.out", argv);
-    int ok = it_wait_step(&j, 2, 120000, run);
-    if (!ok)
-        it_dump(&j, "run.out");
-    CU_ASSERT_FATAL(ok);
     /* Paused, the job cannot finish before every malformed message is counted. */
-    CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "pause"), 0);
+    pid_t run = it_start_paused(&j, steps, 2);
     const cJSON *st = NULL;
     cJSON *root = it_ctl_status(&j, &st);
     CU_ASSERT_FATAL(root != NULL);
@@ -252,7 +241,7 @@ static void test_malformed_everywhere(void) {
     CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "resume"), 0);
 
     int status;
-    ok = it_wait(run, IT_ASAN ? 300000 : 120000, &status);
+    int ok = it_wait(run, IT_ASAN ? 300000 : 120000, &status);
     if (!ok || it_exit_code(status) != 0)
         it_dump(&j, "run.out");
     CU_ASSERT_FATAL(ok);

@@ -33,20 +33,9 @@ static cJSON *latest_state(it_job_t *j) {
 
 static void test_swap_mid_run(void) {
     int steps = IT_ASAN ? 10 : 14;
-    it_knobs_t k = it_knobs_default();
-    k.steps = steps;
-    char extra[4096];
-    it_sections(extra, sizeof extra, &k);
     it_job_t j;
-    it_open(&j, extra);
-    const char *argv[] = {tu_moerl_exe(), "run", j.config, "--no-status", NULL};
-    pid_t run = it_spawn(&j, "run.out", argv);
-    int ok = it_wait_step(&j, 3, 120000, run);
-    if (!ok)
-        it_dump(&j, "run.out");
-    CU_ASSERT_FATAL(ok);
     /* Paused, the job cannot finish while the swap and the refused swap are checked. */
-    CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "pause"), 0);
+    pid_t run = it_start_paused(&j, steps, 3);
     CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "swap-reward 'constant:value=0.25'"), 0);
     /* The reward worker reports the new version in its heartbeats. */
     double version = 0, end = it_now_ms() + 20000;
@@ -71,7 +60,7 @@ static void test_swap_mid_run(void) {
     CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "resume"), 0);
 
     int status;
-    ok = it_wait(run, IT_ASAN ? 300000 : 120000, &status);
+    int ok = it_wait(run, IT_ASAN ? 300000 : 120000, &status);
     if (!ok || it_exit_code(status) != 0)
         it_dump(&j, "run.out");
     CU_ASSERT_FATAL(ok);
