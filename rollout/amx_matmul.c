@@ -27,85 +27,104 @@
 #define TR 16
 #define KB 32
 #define TILE_BF16 (TR * KB)
+/* Rows taken at a time: the split activations of a chunk (3 x 256 rows x C bf16, 768 KiB
+ * for C = 512) stay in L2 while every block of 32 outputs passes over them. */
+#define ROW_CHUNK 256
 /* Steps of 32 columns ahead that the weight rows are prefetched. */
 #define PF_K 4
 
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
+#if HAVE_AMX
+
+#define AVX512_FN __attribute__((target("avx512f,avx512bw")))
+
+/* x with the low 16 bits of each element cleared. */
+AVX512_FN static inline __m512 top16(__m512 x, __m512i hi) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), hi));
 }
 
-static inline float u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+/* The top 16 bits of the 32 floats a (columns 0..15), b (16..31) as 16 pairs of columns. */
+AVX512_FN static inline __m512i pairs(__m512 a, __m512 b, __m512i idx) {
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(a), idx, _mm512_castps_si512(b));
 }
 
-/* The loops below are compiled for AVX-512 and AVX2 as well as the baseline, and the
- * loader picks one (GCC function multi-versioning on x86-64). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define HOT_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define HOT_KERNEL
-#endif
-
-/* Row x (C) as three bf16 parts, as pairs of adjacent columns: hw, mw, lw (C / 2), the
- * even column in the low half. */
-HOT_KERNEL static void split_row(uint32_t *restrict hw, uint32_t *restrict mw,
-                                 uint32_t *restrict lw, const float *restrict x, int C) {
-    for (int j = 0; j < C / 2; j++) {
-        uint32_t h[2], m[2], l[2];
-        for (int q = 0; q < 2; q++) {
-            float v = x[2 * j + q];
-            uint32_t hb = f2u(v) & 0xffff0000u;
-            float r = v - u2f(hb);
-            uint32_t mb = f2u(r) & 0xffff0000u;
-            h[q] = hb;
-            m[q] = mb;
-            l[q] = f2u(r - u2f(mb)) & 0xffff0000u; /* at most 8 significant bits are left */
-        }
-        hw[j] = h[0] >> 16 | h[1];
-        mw[j] = m[0] >> 16 | m[1];
-        lw[j] = l[0] >> 16 | l[1];
+/* r[k] = column k of the 16 x 16 matrix of 32-bit words whose row n is r[n]. */
+AVX512_FN static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* u[4g + i], 128-bit lane L: rows 4g .. 4g+3 of column 4L + i */
+    for (int i = 0; i < 4; i++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+        __m512i w0 = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+        __m512i v1 = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
+        __m512i w1 = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+        r[i] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
+        r[4 + i] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+        r[12 + i] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
     }
 }
 
-/* The activations as three bf16 parts in the tile layout of the B operand:
- * xp (3, nTB, nKB, 16, 16, 2): part p, rows tb*16 + n, columns kb*32 + 2*k2 + q at
- * [p][tb][kb][k2][n][q]. Rows from T up to nTB*16 are zero. */
+/* Rows tb*16 .. tb*16+15 of the activations as three bf16 parts in the tile layout of the
+ * B operand, xp (3, nTB, nKB, 16, 16, 2): part p, row tb*16 + n, column kb*32 + 2*k2 + q
+ * at [p][tb][kb][k2][n][q]; rows from T on are zero. x = h + m + l exactly: h is the top
+ * 16 bits of x (8 significant bits), m the top 16 bits of r = x - h, l those of r - m (at
+ * most 8 significant bits are left). Per block of 32 columns, each row's parts are packed
+ * as pairs of columns (the even column in the low half), then the 16 x 16 pairs are
+ * transposed to [k2][n]. On AVX-512, which every CPU with AMX has. */
+AVX512_FN static void split_block16(uint16_t *xp, const float *inp, int T, int tb, int C,
+                                    size_t part) {
+    static const uint16_t top[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                     23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                     45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    int nKB = C / KB, rows = T - tb * TR < TR ? T - tb * TR : TR;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i idx = _mm512_loadu_si512(top);
+    const float *base = inp + (size_t)tb * TR * (size_t)C;
+    uint32_t *d = (uint32_t *)xp + (size_t)tb * nKB * TR * TR; /* part 0 */
+    size_t pw = part / 2;                                      /* uint32 per part */
+    for (int kb = 0; kb < nKB; kb++) {
+        __m512i ph[16], pm[16], pl[16];
+        for (int n = 0; n < TR; n++) {
+            __m512 a = _mm512_setzero_ps(), b = a;
+            if (n < rows) {
+                a = _mm512_loadu_ps(base + (size_t)n * C + (size_t)kb * KB);
+                b = _mm512_loadu_ps(base + (size_t)n * C + (size_t)kb * KB + 16);
+            }
+            __m512 ra = _mm512_sub_ps(a, top16(a, hi)), rb = _mm512_sub_ps(b, top16(b, hi));
+            __m512 la = _mm512_sub_ps(ra, top16(ra, hi)), lb = _mm512_sub_ps(rb, top16(rb, hi));
+            ph[n] = pairs(a, b, idx);
+            pm[n] = pairs(ra, rb, idx);
+            pl[n] = pairs(la, lb, idx);
+        }
+        transpose16(ph);
+        transpose16(pm);
+        transpose16(pl);
+        uint32_t *db = d + (size_t)kb * TR * TR;
+        for (int k = 0; k < TR; k++) {
+            _mm512_storeu_si512(db + (size_t)k * TR, ph[k]);
+            _mm512_storeu_si512(db + pw + (size_t)k * TR, pm[k]);
+            _mm512_storeu_si512(db + 2 * pw + (size_t)k * TR, pl[k]);
+        }
+    }
+}
+
+/* All rows: xp as above, nTB = Tp / 16 blocks of 16 rows. */
 static void split_rows(uint16_t *xp, const float *inp, int T, int Tp, int C) {
     int nKB = C / KB, nTB = Tp / TR;
-    size_t part = (size_t)nTB * nKB * TILE_BF16; /* bf16 per part */
-#pragma omp parallel if ((size_t)Tp * (size_t)C > PAR_MIN / 16)
-    {
-        /* (3, 16, C / 2) the parts of 16 rows, as pairs */
-        uint32_t *rw = (uint32_t *)cpu_scratch_floats(2, 3 * TR * (size_t)C / 2);
-        size_t ph = (size_t)TR * (C / 2);
-#pragma omp for schedule(static)
-        for (int tb = 0; tb < nTB; tb++) {
-            for (int n = 0; n < TR; n++) {
-                int t = tb * TR + n;
-                uint32_t *r = rw + (size_t)n * (C / 2);
-                if (t < T)
-                    split_row(r, r + ph, r + 2 * ph, inp + (size_t)t * (size_t)C, C);
-                else
-                    for (int p = 0; p < 3; p++)
-                        memset(r + p * ph, 0, sizeof(uint32_t) * (size_t)(C / 2));
-            }
-            for (int p = 0; p < 3; p++) {
-                /* pair j = kb*16 + k2 of row n goes to [kb][k2][n]: offset j*16 + n */
-                uint32_t *d = (uint32_t *)(xp + (size_t)p * part) + (size_t)tb * nKB * TR * TR;
-                const uint32_t *src = rw + (size_t)p * ph;
-                for (int j = 0; j < C / 2; j++)
-                    for (int n = 0; n < TR; n++)
-                        d[(size_t)j * TR + n] = src[(size_t)n * (C / 2) + j];
-            }
-        }
-    }
+    size_t part = (size_t)nTB * nKB * TILE_BF16;
+#pragma omp parallel for schedule(static) if ((size_t)Tp * (size_t)C > PAR_MIN / 16)
+    for (int tb = 0; tb < nTB; tb++)
+        split_block16(xp, inp, T, tb, C, part);
 }
-
-#if HAVE_AMX
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -223,9 +242,9 @@ AMX_FN static void col_block(float *out, const uint16_t *wb, uint16_t *wp, const
     }
 }
 
-void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const float *bias, int T,
-                     int C, int OC) {
-    MO_ASSERT(amx_ok && T >= 0 && C > 0 && C % KB == 0 && OC > 0);
+/* amx_matmul_bf16 for one chunk of at most ROW_CHUNK rows. */
+static void product(float *out, const float *inp, const uint16_t *w, const float *bias, int T,
+                    int C, int OC) {
     if (T == 0)
         return;
     int Tp = (T + TR - 1) / TR * TR;
@@ -257,6 +276,15 @@ void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const floa
     }
 }
 
+void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const float *bias, int T,
+                     int C, int OC) {
+    MO_ASSERT(amx_ok && T >= 0 && C > 0 && C % KB == 0 && OC > 0);
+    for (int t0 = 0; t0 < T; t0 += ROW_CHUNK) {
+        int n = T - t0 < ROW_CHUNK ? T - t0 : ROW_CHUNK;
+        product(out + (size_t)t0 * OC, inp + (size_t)t0 * C, w, bias, n, C, OC);
+    }
+}
+
 #else /* no AMX */
 
 int amx_matmul_available(void) {
@@ -266,7 +294,6 @@ int amx_matmul_available(void) {
 void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const float *bias, int T,
                      int C, int OC) {
     (void)out, (void)inp, (void)w, (void)bias, (void)T, (void)C, (void)OC;
-    (void)split_rows;
     MO_ASSERT(!"amx_matmul_bf16 without AMX");
 }
 

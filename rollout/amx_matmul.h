@@ -20,7 +20,8 @@ extern "C" {
  * row whatever the other rows are: it depends neither on T nor on the thread count.
  * Three bf16 tile products cost about a fifth of one f32 product on the vector units.
  * The weights are read where they are (no converted or packed copy); the activations
- * are converted per call. */
+ * are split per call (vectorised, AVX-512), up to 256 rows at a time so that their
+ * parts stay in L2 while the weights pass over them. */
 
 /* The rows of T below which the products stay on the vector units (a matrix-vector
  * product reads the weights once either way). */

@@ -145,18 +145,62 @@ static void scores(float *s, size_t ld, const float *q, int G, size_t sq, const 
     }
 }
 
-/* Softmax of row (n) in place, as the packed attention kernel forms it. */
-static void softmax_row(float *row, int n) {
-    float m = row[0];
-    for (int j = 1; j < n; j++)
-        m = row[j] > m ? row[j] : m;
-    double sum = 0.0;
-    for (int j = 0; j < n; j++) {
-        float e = expf(row[j] - m);
-        row[j] = e;
-        sum += e;
+/* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp of expf; 0 below -87
+ * (where e^x < 2e-38), NaN for NaN. Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a
+ * polynomial of degree 7, 2^n from the exponent bits. */
+static inline float exp_neg(float x) {
+    const float magic = 12582912.0f;    /* 1.5 2^23: adding it rounds to an integer */
+    float xc = x > -87.0f ? x : -87.0f; /* NaN too: the conversion below stays defined */
+    float n = (xc * 1.44269504088896341f + magic) - magic;
+    float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, sizeof two_n);
+    return x >= -87.0f ? y * two_n : (x < -87.0f ? 0.0f : x); /* NaN stays NaN */
+}
+
+/* Softmax of row (n) in place: the maximum, then e^(s - max) and their sum in 16 lanes
+ * (element j in lane j mod 16), the lanes summed in order. */
+HOT_KERNEL static void softmax_row(float *restrict row, int n) {
+    float mx[LANES], sm[LANES];
+    for (int t = 0; t < LANES; t++) {
+        mx[t] = -INFINITY;
+        sm[t] = 0.0f;
     }
+    int full = n / LANES * LANES;
+    for (int j = 0; j < full; j += LANES)
+#pragma omp simd
+        for (int t = 0; t < LANES; t++)
+            mx[t] = row[j + t] > mx[t] ? row[j + t] : mx[t];
+    for (int j = full; j < n; j++)
+        mx[j - full] = row[j] > mx[j - full] ? row[j] : mx[j - full];
+    float m = mx[0];
+    for (int t = 1; t < LANES; t++)
+        m = mx[t] > m ? mx[t] : m;
+    for (int j = 0; j < full; j += LANES)
+#pragma omp simd
+        for (int t = 0; t < LANES; t++) {
+            float e = exp_neg(row[j + t] - m);
+            row[j + t] = e;
+            sm[t] += e;
+        }
+    for (int j = full; j < n; j++) {
+        float e = exp_neg(row[j] - m);
+        row[j] = e;
+        sm[j - full] += e;
+    }
+    double sum = 0.0;
+    for (int t = 0; t < LANES; t++)
+        sum += sm[t];
     float inv = (float)(1.0 / sum);
+#pragma omp simd
     for (int j = 0; j < n; j++)
         row[j] *= inv;
 }
@@ -270,6 +314,29 @@ static void values(float *o, const float *p, int G, const kv_cache_t *c, int l, 
     }
 }
 
+/* Asks the memory for the keys (values 0) or values (1) of kv head kvh of row i's own
+ * blocks (from block S on, those not shared with the rows of its group), ahead of use:
+ * each head's part of a block is a page of its own, which the hardware prefetchers do not
+ * enter on their own. */
+static void prefetch_own(const kv_cache_t *c, int l, const kv_seq_t *seq, int pos, int lo, int S,
+                         int kvh, int values) {
+    int BS = c->block_tokens, j0 = S * BS > lo ? S * BS : lo;
+    size_t chunk = (size_t)c->Dh * (size_t)BS; /* floats of one kv head in a block */
+    for (int b = j0 / BS; b <= pos / BS; b++) {
+        const float *p =
+            (values ? kv_v_block(c, l, seq->blocks[b]) : kv_k_block(c, l, seq->blocks[b])) +
+            (size_t)kvh * chunk;
+        size_t used = values && b == pos / BS ? (size_t)(pos % BS + 1) * c->Dh : chunk;
+        for (size_t f = 0; f < used; f += 16)
+            __builtin_prefetch(p + f, 0, 3);
+    }
+}
+
+/* The first position row i attends to. */
+static int row_lo(const int32_t *pos, int i, int window) {
+    return (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
+}
+
 /* Rows r0 .. r1-1 that hold the same first S blocks (full and inside every row's
  * range), kv head kvh. The shared blocks' keys and values are read once for all the
  * rows' queries; each row's arithmetic is the same as on its own. s: scratch. */
@@ -283,6 +350,7 @@ static void group_task(float *out, const float *q, const kv_cache_t *c, int l,
     /* scores, then (G, BS) */
     float *s = cpu_scratch_floats(ATTN_SCRATCH_SLOT, tot + (size_t)G * BS);
     float *acc = s + tot;
+    prefetch_own(c, l, seqs[r0], pos[r0], row_lo(pos, r0, window), S, kvh, 0);
     /* scores: shared blocks for all rows, then each row's own */
     for (int b = 0; b < S; b++) {
         const float *kt = kv_k_block(c, l, seqs[r0]->blocks[b]) + (size_t)kvh * Dh * BS;
@@ -305,6 +373,10 @@ static void group_task(float *out, const float *q, const kv_cache_t *c, int l,
         int n = pos[i] - lo + 1, from = S * BS; /* S > 0 only when lo is 0 */
         int j0 = from > lo ? from : lo;
         const float *qi = q + (size_t)i * sq + (size_t)kvh * G * Dh;
+        if (i + 1 < r1)
+            prefetch_own(c, l, seqs[i + 1], pos[i + 1], row_lo(pos, i + 1, window), S, kvh, 0);
+        else
+            prefetch_own(c, l, seqs[r0], pos[r0], row_lo(pos, r0, window), S, kvh, 1);
         if (j0 < lo + n)
             scores(si + (j0 - lo), (size_t)n, qi, G, (size_t)Dh, c, l, seqs[i], kvh, j0,
                    lo + n - j0, scale, acc);
@@ -329,6 +401,8 @@ static void group_task(float *out, const float *q, const kv_cache_t *c, int l,
     for (int i = r0; i < r1; i++) {
         int lo = (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
         int n = pos[i] - lo + 1;
+        if (i + 1 < r1)
+            prefetch_own(c, l, seqs[i + 1], pos[i + 1], row_lo(pos, i + 1, window), S, kvh, 1);
         values(out + (size_t)i * sq + (size_t)kvh * G * Dh, si, G, c, l, seqs[i], kvh, lo, n, S);
         si += (size_t)G * n;
     }

@@ -102,10 +102,29 @@ static void test_rows_independent(void) {
     free(x), free(a), free(b), free(one), free(w);
 }
 
+/* Above the rows taken at a time (256): the product against the reference, and rows 250
+ * to 279 (across the chunk boundary) the same bits as computed alone. */
+static void test_row_chunks(void) {
+    enum { C = 96, OC = 45, T = 300, R0 = 250, TA = 30 };
+    check(T, C, OC, 1, 91);
+    float *x = malloc(sizeof(float) * T * C), *a = malloc(sizeof(float) * TA * OC);
+    float *b = malloc(sizeof(float) * T * OC);
+    uint16_t *w = make_w(OC, C, 92);
+    tu_fill(x, (size_t)T * C, 93, -2.0f, 2.0f);
+    wview_t wv = wview_of(w, DT_BF16);
+    tu_poison(a, (size_t)TA * OC);
+    tu_poison(b, (size_t)T * OC);
+    amx_matmul_forward(a, x + (size_t)R0 * C, &wv, NULL, TA, C, OC);
+    amx_matmul_forward(b, x, &wv, NULL, T, C, OC);
+    CU_ASSERT(memcmp(a, b + (size_t)R0 * OC, sizeof(float) * TA * OC) == 0);
+    free(x), free(a), free(b), free(w);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"products vs double reference", test_shapes},
         {"rows independent of the batch and threads", test_rows_independent},
+        {"more rows than one chunk", test_row_chunks},
         CU_TEST_INFO_NULL,
     };
     return tu_main("amx_matmul", tests);
