@@ -102,11 +102,12 @@ cublasHandle_t cuda_blas(void);
  * calls. Work queued on the stream that used the old buffer finishes before a
  * slot grows. NULL after recording an error. */
 enum {
-    CUDA_SCRATCH_ACT = 0,  /* activations converted for a matrix product */
-    CUDA_SCRATCH_GRAD = 1, /* output gradients converted for a matrix product */
-    CUDA_SCRATCH_TILE = 2, /* dequantised weight rows */
-    CUDA_SCRATCH_ATT = 3,  /* attention tile prefix */
-    CUDA_SCRATCH_SLOTS = 4
+    CUDA_SCRATCH_ACT = 0,    /* activations converted for a matrix product */
+    CUDA_SCRATCH_GRAD = 1,   /* output gradients converted for a matrix product */
+    CUDA_SCRATCH_TILE = 2,   /* dequantised weight rows */
+    CUDA_SCRATCH_ATT = 3,    /* attention tile prefix */
+    CUDA_SCRATCH_SAMPLE = 4, /* the sampler's weights exp(z - max z) */
+    CUDA_SCRATCH_SLOTS = 5
 };
 void *cuda_scratch(int slot, size_t bytes);
 
