@@ -101,7 +101,61 @@ int optim_init(optim_t *o, size_t n, const optim_hp_t *hp, const kernels_t *k) {
 void optim_free(optim_t *o) {
     free(o->m);
     free(o->v);
+    free(o->nd_off);
+    free(o->nd_len);
     memset(o, 0, sizeof *o);
+}
+
+int optim_no_decay(optim_t *o, size_t off, size_t len) {
+    if (len == 0)
+        return MO_OK;
+    if (off > o->n || len > o->n - off)
+        return mo_errorf(MO_EINVAL,
+                         "optimizer: no-decay range [%zu, %zu) reaches past the %zu parameters",
+                         off, off + len, o->n);
+    int i = 0;
+    while (i < o->n_nd && o->nd_off[i] < off)
+        i++;
+    size_t prev_end = i > 0 ? o->nd_off[i - 1] + o->nd_len[i - 1] : 0;
+    if ((i > 0 && prev_end > off) || (i < o->n_nd && o->nd_off[i] < off + len)) {
+        int j = i > 0 && prev_end > off ? i - 1 : i;
+        return mo_errorf(MO_EINVAL,
+                         "optimizer: no-decay range [%zu, %zu) overlaps [%zu, %zu) added before",
+                         off, off + len, o->nd_off[j], o->nd_off[j] + o->nd_len[j]);
+    }
+    size_t *a = realloc(o->nd_off, sizeof *a * (size_t)(o->n_nd + 1));
+    if (a)
+        o->nd_off = a;
+    size_t *b = a ? realloc(o->nd_len, sizeof *b * (size_t)(o->n_nd + 1)) : NULL;
+    if (!b)
+        return mo_errorf(MO_ENOMEM, "optimizer: out of memory for no-decay ranges");
+    o->nd_len = b;
+    memmove(o->nd_off + i + 1, o->nd_off + i, sizeof *a * (size_t)(o->n_nd - i));
+    memmove(o->nd_len + i + 1, o->nd_len + i, sizeof *b * (size_t)(o->n_nd - i));
+    o->nd_off[i] = off;
+    o->nd_len[i] = len;
+    o->n_nd++;
+    return MO_OK;
+}
+
+/* AdamW on [off, off + len) with weight decay wd. */
+static void update_range(optim_t *o, float *param, float *grad, size_t off, size_t len, float lr,
+                         double wd) {
+    if (len == 0)
+        return;
+    o->k->adamw_update(param + off, grad + off, o->m + off, o->v + off, len, lr, (float)o->hp.beta1,
+                       (float)o->hp.beta2, (float)o->hp.eps, (float)wd, (int)(o->step + 1));
+}
+
+/* AdamW on the whole buffer: the no-decay ranges without weight decay, the gaps with. */
+static void update_all(optim_t *o, float *param, float *grad, float lr) {
+    size_t at = 0;
+    for (int i = 0; i < o->n_nd; i++) {
+        update_range(o, param, grad, at, o->nd_off[i] - at, lr, o->hp.weight_decay);
+        update_range(o, param, grad, o->nd_off[i], o->nd_len[i], lr, 0.0);
+        at = o->nd_off[i] + o->nd_len[i];
+    }
+    update_range(o, param, grad, at, o->n - at, lr, o->hp.weight_decay);
 }
 
 const char *optim_outcome_name(optim_outcome_t r) {
@@ -148,10 +202,7 @@ int optim_step(optim_t *o, float *param, float *grad, double loss, const double 
             grad[i] = (float)(grad[i] * r.clip_coef);
     r.lr = optim_lr(&o->hp, o->step);
     MO_ASSERT(o->step < INT_MAX);
-    if (o->n > 0)
-        o->k->adamw_update(param, grad, o->m, o->v, o->n, (float)r.lr, (float)o->hp.beta1,
-                           (float)o->hp.beta2, (float)o->hp.eps, (float)o->hp.weight_decay,
-                           (int)(o->step + 1));
+    update_all(o, param, grad, (float)r.lr);
     o->step++;
     r.step = o->step;
     if (res)

@@ -55,12 +55,23 @@ typedef struct optim {
     float *v; /* (n) */
     int64_t step;
     int64_t skipped;
+    /* Parameters that take no weight decay (optim_no_decay): n_nd ranges
+     * [nd_off[i], nd_off[i] + nd_len[i]), sorted and disjoint. */
+    size_t *nd_off, *nd_len; /* (n_nd) */
+    int n_nd;
 } optim_t;
 
 /* Zero moments, step 0. k NULL means the CPU backend's table. MO_EINVAL for
  * bad hyperparameters (naming the field), MO_ENOMEM. */
 int optim_init(optim_t *o, size_t n, const optim_hp_t *hp, const kernels_t *k);
 void optim_free(optim_t *o);
+
+/* Excludes the parameters [off, off + len) from weight decay (the usual treatment of
+ * norm gains and other one-dimensional parameters); they still take the Adam update.
+ * Ranges are added in any order; MO_EINVAL when one reaches past n or overlaps one
+ * added before (naming both), MO_ENOMEM. A zero-length range is ignored. The ranges
+ * are configuration, not state: optim_save and optim_load leave them alone. */
+int optim_no_decay(optim_t *o, size_t off, size_t len);
 
 typedef enum {
     OPTIM_APPLIED = 0,
@@ -87,9 +98,9 @@ typedef struct optim_result {
  * buffer's own. When loss, any element of grad or the global norm is not
  * finite, nothing is changed except o->skipped (incremented) and res says
  * why. Otherwise grad is scaled in place by the clip coefficient, AdamW is
- * applied with lr = optim_lr(hp, step), and step is incremented. A skip is
- * not an error: the return value is 0 either way (MO_EINVAL only for NULL
- * arguments). res may be NULL. */
+ * applied with lr = optim_lr(hp, step) (weight decay 0 on the optim_no_decay
+ * ranges), and step is incremented. A skip is not an error: the return value
+ * is 0 either way (MO_EINVAL only for NULL arguments). res may be NULL. */
 int optim_step(optim_t *o, float *param, float *grad, double loss, const double *global_sqsum,
                optim_result_t *res);
 

@@ -1,7 +1,7 @@
 /* Tests for the optimizer: AdamW steps with clipping and the schedule
  * against a double reference, the clip coefficient, schedule values at
- * chosen steps, non-finite skipping (bit-identical state), and the state
- * file's round trip and corruption errors. */
+ * chosen steps, non-finite skipping (bit-identical state), the ranges kept
+ * free of weight decay, and the state file's round trip and corruption errors. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -392,6 +392,62 @@ static void test_corrupt_files(void) {
     tu_rmtree(dir);
 }
 
+/* Weight decay off on chosen ranges (optim_no_decay): over a few clipped steps with
+ * weight decay, those elements move exactly as with weight decay 0 and the others
+ * exactly as with no range set; the decay did change the others. Bad ranges are
+ * refused with both named. */
+static void test_no_decay_ranges(void) {
+    enum { N = 64, STEPS = 3 };
+    optim_hp_t hp = hp_base(), hp0 = hp_base();
+    hp.weight_decay = 0.2;
+    hp0.weight_decay = 0.0;
+    optim_t a, b, c; /* ranges with decay, no decay, decay everywhere */
+    CU_ASSERT_EQUAL_FATAL(optim_init(&a, N, &hp, NULL), 0);
+    CU_ASSERT_EQUAL_FATAL(optim_init(&b, N, &hp0, NULL), 0);
+    CU_ASSERT_EQUAL_FATAL(optim_init(&c, N, &hp, NULL), 0);
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 40, 5), 0);
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 10, 10), 0); /* before the first: kept sorted */
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 30, 0), 0);  /* empty: ignored */
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 60, 4), 0);  /* up to the end */
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 15, 10), MO_EINVAL);
+    CU_ASSERT(strstr(mo_last_error(), "[15, 25)") && strstr(mo_last_error(), "[10, 20)"));
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 38, 3), MO_EINVAL);
+    CU_ASSERT(strstr(mo_last_error(), "[40, 45)") != NULL);
+    CU_ASSERT_EQUAL(optim_no_decay(&a, 62, 4), MO_EINVAL);
+    CU_ASSERT(strstr(mo_last_error(), "64") != NULL);
+    CU_ASSERT_EQUAL_FATAL(a.n_nd, 3);
+    CU_ASSERT(a.nd_off[0] == 10 && a.nd_off[1] == 40 && a.nd_off[2] == 60);
+    float pa[N], pb[N], pc[N], g[N], ga[N], gb[N], gc[N];
+    tu_fill(pa, N, 1, -1.0f, 1.0f);
+    memcpy(pb, pa, sizeof pa);
+    memcpy(pc, pa, sizeof pa);
+    for (int s = 0; s < STEPS; s++) {
+        tu_fill(g, N, 10 + (uint64_t)s, -1.0f, 1.0f);
+        memcpy(ga, g, sizeof g);
+        memcpy(gb, g, sizeof g);
+        memcpy(gc, g, sizeof g);
+        CU_ASSERT_EQUAL_FATAL(optim_step(&a, pa, ga, 1.0, NULL, NULL), 0);
+        CU_ASSERT_EQUAL_FATAL(optim_step(&b, pb, gb, 1.0, NULL, NULL), 0);
+        CU_ASSERT_EQUAL_FATAL(optim_step(&c, pc, gc, 1.0, NULL, NULL), 0);
+    }
+    int in_range_ok = 1, outside_ok = 1, decayed = 0;
+    for (int i = 0; i < N; i++) {
+        int nd = (i >= 10 && i < 20) || (i >= 40 && i < 45) || i >= 60;
+        if (nd)
+            in_range_ok &= pa[i] == pb[i] && a.m[i] == b.m[i] && a.v[i] == b.v[i];
+        else
+            outside_ok &= pa[i] == pc[i], decayed += pa[i] != pb[i];
+    }
+    CU_ASSERT(in_range_ok);
+    CU_ASSERT(outside_ok);
+    CU_ASSERT_EQUAL(decayed, N - 19);
+    optim_free(&a);
+    CU_ASSERT_PTR_NULL(a.nd_off);
+    CU_ASSERT_EQUAL(a.n_nd, 0);
+    optim_free(&b);
+    optim_free(&c);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"adamw with clipping and schedule vs reference", test_adamw_vs_reference},
@@ -402,6 +458,7 @@ int main(void) {
         {"hyperparameters from config", test_hp_from_config},
         {"save and load round trip", test_save_load_round_trip},
         {"corrupt files", test_corrupt_files},
+        {"no weight decay on chosen ranges", test_no_decay_ranges},
         CU_TEST_INFO_NULL,
     };
     return tu_main("optim", tests);
