@@ -258,7 +258,7 @@ static int q_backward(const kernels_t *k, arena_t *ar, float *dx, const float *d
     ZEROS(dqa_n, ar, (size_t)T * Rq);
     ZEROS(dqa, ar, (size_t)T * Rq);
     proj_backward(k, dqa_n, dqraw, a->qa_n, a->xa_q_b, &w->q_b, w->lora_q_b, T, Rq, qo, tmp);
-    k->rmsnorm_backward(dqa, NULL, dqa_n, a->qa, w->q_a_norm, a->rstd_qa, T, Rq);
+    k->rmsnorm_backward(dqa, w->d_q_a_norm, dqa_n, a->qa, w->q_a_norm, a->rstd_qa, T, Rq);
     proj_backward(k, dx, dqa, a->x, a->xa_q_a, &w->q_a, w->lora_q_a, T, D, Rq, tmp);
     return MO_OK;
 }
@@ -286,7 +286,7 @@ static int kv_backward(const kernels_t *k, arena_t *ar, float *dx, const float *
     ZEROS(dckv_n, ar, (size_t)T * Rkv);
     ZEROS(dckv, ar, (size_t)T * Rkv);
     proj_backward(k, dckv_n, dkvb, a->ckv_n, a->xa_kv_b, &w->kv_b, w->lora_kv_b, T, Rkv, kvo, tmp);
-    k->rmsnorm_backward(dckv, NULL, dckv_n, a->ckv, w->kv_a_norm, a->rstd_kv, T, Rkv);
+    k->rmsnorm_backward(dckv, w->d_kv_a_norm, dckv_n, a->ckv, w->kv_a_norm, a->rstd_kv, T, Rkv);
     ZEROS(dcomp, ar, (size_t)T * ca);
     for (int t = 0; t < T; t++)
         memcpy(dcomp + (size_t)t * ca, dckv + (size_t)t * Rkv, sizeof(float) * (size_t)Rkv);

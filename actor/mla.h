@@ -67,6 +67,10 @@ typedef struct mla_weights {
     wview_t kv_b;           /* (H (Dn + Dv), Rkv) kv_b_proj */
     wview_t o;              /* (D, H Dv) o_proj */
     const lora_pair_t *lora_q_a, *lora_q_b, *lora_q, *lora_kv_a, *lora_kv_b, *lora_o;
+    /* Gradients of the two latent norms when they are trained (the backward accumulates
+     * into them), or NULL (frozen). */
+    float *d_q_a_norm;  /* (Rq) */
+    float *d_kv_a_norm; /* (Rkv) */
 } mla_weights_t;
 
 /* What the forward keeps for the backward (in the caller's arena). Buffers of absent
@@ -93,7 +97,8 @@ int mla_forward(const kernels_t *k, arena_t *ar, mla_acts_t *a, float *out, cons
                 int B, int T);
 
 /* From dout (T, D): dx (T, D, or NULL) += the gradient at x, and the bound adapters' dA,
- * dB accumulate. Temporaries come from ar. */
+ * dB and the latent norms' d_q_a_norm, d_kv_a_norm (where set) accumulate. Temporaries
+ * come from ar. */
 int mla_backward(const kernels_t *k, arena_t *ar, float *dx, const float *dout, const mla_acts_t *a,
                  const mla_cfg_t *c, const mla_weights_t *w, const int32_t *pos, const int32_t *cu,
                  int B, int T);

@@ -703,11 +703,6 @@ int model_set_comm(model_t *m, comm_t *cm) {
     if (use_ep(m))
         return mo_errorf(MO_ESTATE, "model %s: already expert-parallel over %d ranks", m->path,
                          comm_size(m->comm));
-    if (m->adapter && m->adapter->n_full > 0)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "model %s: the bound adapter trains router or norm weights in full, "
-                         "which does not run expert-parallel",
-                         m->path);
     if (aux_pooled(m))
         return mo_errorf(MO_EINVAL,
                          "model %s: the pooled balance loss (aux_pool) needs the "

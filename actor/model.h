@@ -165,8 +165,7 @@ void model_destroy(model_t **m);
 /* Binds an adapter (its entries must name modules of this model with matching shapes,
  * its full tensors weights that model_adapter_add_full offers, with matching shapes;
  * MO_EINVAL naming the first that does not), or NULL for the base model (the reference
- * policy). An adapter with full tensors does not bind under expert parallelism
- * (MO_EUNSUPPORTED). The adapter must outlive the binding. Gradients flow into the adapter's grad
+ * policy). The adapter must outlive the binding. Gradients flow into the adapter's grad
  * buffer when it has one. Invalidates the last forward. */
 int model_set_adapter(model_t *m, const lora_adapter_t *ad);
 
@@ -174,15 +173,19 @@ int model_set_adapter(model_t *m, const lora_adapter_t *ad);
  * copies of the model's current frozen values of
  *   router = 1: every MoE layer's router "model.layers.<l>.mlp.gate.weight" (E, D)
  *               ("block_sparse_moe.gate" in Mixtral);
- *   norms = 1:  every layer's "input_layernorm.weight" and "post_attention_layernorm.weight"
- *               (D, 1), Qwen3's "self_attn.q_norm.weight" and "k_norm.weight" (Dh, 1), and
- *               "model.norm.weight" (D, 1).
- * MLA's q_a_layernorm and kv_a_layernorm, DeepSeek's e_score_correction_bias, the
- * embeddings and lm_head stay frozen. Once ad is bound (model_set_adapter), the forward
- * reads these weights from ad->params and the backward accumulates their gradients into
- * ad->grads; binding another adapter or NULL restores the frozen values. Call it before
- * binding ad. MO_EINVAL when router is asked of a model without MoE layers, or for a
- * router stored with fp8 block scales; MO_EUNSUPPORTED under expert parallelism. */
+ *   norms = 1:  every layer's "input_layernorm.weight" (D, 1), Qwen3's
+ *               "self_attn.q_norm.weight" and "k_norm.weight" (Dh, 1), MLA's
+ *               "self_attn.q_a_layernorm.weight" (q_lora_rank, 1; when q_lora_rank > 0)
+ *               and "self_attn.kv_a_layernorm.weight" (kv_lora_rank, 1), then
+ *               "post_attention_layernorm.weight" (D, 1); last "model.norm.weight" (D, 1).
+ * DeepSeek's e_score_correction_bias, the embeddings and lm_head stay frozen. Once ad is
+ * bound (model_set_adapter), the forward reads these weights from ad->params and the
+ * backward accumulates their gradients into ad->grads; binding another adapter or NULL
+ * restores the frozen values. Call it before binding ad. Under expert parallelism the
+ * weights are replicated: each rank's backward accumulates the share of its own tokens,
+ * and the caller sums the gradients over the ranks (as for the attention adapters).
+ * MO_EINVAL when router is asked of a model without MoE layers, or for a router stored
+ * with fp8 block scales. */
 int model_adapter_add_full(model_t *m, lora_adapter_t *ad, int router, int norms);
 
 /* Expert parallelism over cm (borrowed; it must outlive the model). With N = comm_size(cm)

@@ -455,7 +455,7 @@ static void full_add(struct model_full *f, int *n, const char *name, const float
 static int full_table(model_t *m) {
     if (m->full)
         return MO_OK;
-    int cap = 5 * m->L + 1, n = 0;
+    int cap = 7 * m->L + 1, n = 0;
     struct model_full *f = calloc((size_t)cap, sizeof *f);
     if (!f)
         return mo_errorf(MO_ENOMEM, "model %s: out of memory", m->path);
@@ -470,6 +470,14 @@ static int full_table(model_t *m) {
             full_add(f, &n, nm, &ly->q_norm, &ly->d_q_norm, m->Dh);
             tname(nm, "model.layers.%d.self_attn.k_norm.weight", l);
             full_add(f, &n, nm, &ly->k_norm, &ly->d_k_norm, m->Dh);
+        }
+        if (m->mla && ly->mla.q_a_norm) {
+            tname(nm, "model.layers.%d.self_attn.q_a_layernorm.weight", l);
+            full_add(f, &n, nm, &ly->mla.q_a_norm, &ly->mla.d_q_a_norm, m->mla_cfg.q_rank);
+        }
+        if (m->mla) {
+            tname(nm, "model.layers.%d.self_attn.kv_a_layernorm.weight", l);
+            full_add(f, &n, nm, &ly->mla.kv_a_norm, &ly->mla.d_kv_a_norm, m->mla_cfg.kv_rank);
         }
         tname(nm, "model.layers.%d.post_attention_layernorm.weight", l);
         full_add(f, &n, nm, &ly->mlp_norm, &ly->d_mlp_norm, m->D);
@@ -513,11 +521,6 @@ static struct model_full *full_find(model_t *m, const char *name) {
 static int full_bind(model_t *m, const lora_adapter_t *ad) {
     if (ad->n_full == 0)
         return MO_OK;
-    if (m->comm && comm_size(m->comm) > 1)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "model %s: an adapter with full tensors (trained router or norm "
-                         "weights, e.g. \"%s\") does not run expert-parallel",
-                         m->path, ad->tensors[ad->n_tensors - ad->n_full].name);
     TRY(full_table(m));
     for (int t = ad->n_tensors - ad->n_full; t < ad->n_tensors; t++) {
         const lora_tensor_t *lt = &ad->tensors[t];
@@ -546,10 +549,6 @@ static int full_bind(model_t *m, const lora_adapter_t *ad) {
 int model_adapter_add_full(model_t *m, lora_adapter_t *ad, int router, int norms) {
     if (router && m->n_moe == 0)
         return mo_errorf(MO_EINVAL, "model %s: a trainable router needs MoE layers, it has none",
-                         m->path);
-    if ((router || norms) && m->comm && comm_size(m->comm) > 1)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "model %s: trainable router or norm weights do not run expert-parallel",
                          m->path);
     TRY(full_table(m));
     float *buf = NULL;

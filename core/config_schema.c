@@ -102,12 +102,13 @@ const cfg_key_t cfg_keys[] = {
     K_BOOL(lora, train_router, "false",
            "Also train every MoE layer's router weight (mlp.gate, (E, D)) in full, as an f32 "
            "copy next to the adapters: optimised, clipped, checkpointed and published with "
-           "them, and saved as PEFT modules_to_save. Not with expert parallelism."),
+           "them, and saved as PEFT modules_to_save; replicated on every rank with expert "
+           "parallelism. moerl sft trains it too."),
     K_BOOL(lora, train_norms, "false",
            "Also train the RMSNorm weights in full (input_layernorm, post_attention_layernorm, "
-           "Qwen3's q_norm and k_norm, the final norm; MLA's q_a/kv_a norms stay frozen), "
-           "as f32 copies next to the adapters, like lora.train_router. Not with expert "
-           "parallelism."),
+           "Qwen3's q_norm and k_norm, MLA's q_a_layernorm and kv_a_layernorm, the final "
+           "norm), as f32 copies next to the adapters, like lora.train_router; "
+           "learner.weight_decay does not apply to them."),
 
     /* rollout */
     K_INT(rollout, workers, 1, 1024, "1", "Rollout worker processes."),
@@ -170,7 +171,8 @@ const cfg_key_t cfg_keys[] = {
     K_INT(learner, warmup_steps, 0, INT_BIG, "0", "Linear warmup steps from 0 to lr."),
     K_FLOAT(learner, min_lr_ratio, 0, 1, 0, "0.1",
             "Cosine schedule: the final learning rate as a fraction of lr."),
-    K_FLOAT(learner, weight_decay, 0, 1, 0, "0", "AdamW decoupled weight decay."),
+    K_FLOAT(learner, weight_decay, 0, 1, 0, "0",
+            "AdamW decoupled weight decay (not on the norm weights lora.train_norms trains)."),
     K_FLOAT(learner, beta1, 0, 1, OPEN_HI, "0.9", "AdamW first-moment decay."),
     K_FLOAT(learner, beta2, 0, 1, OPEN_HI, "0.999", "AdamW second-moment decay."),
     K_FLOAT(learner, adam_eps, 0, 1, OPEN_LO, "1e-8", "AdamW denominator epsilon."),

@@ -70,7 +70,47 @@ static int build_tables(ep_shard_t *ep, const lora_adapter_t *shard, int R) {
         j++;
     }
     ep->full_params = off;
+    ep->n_lora = n;
     comm_displs_from_counts(ep->displs, ep->counts, ep->N);
+    return MO_OK;
+}
+
+/* Grows the (n_full) tables to cap rows. */
+static int grow_tables(ep_shard_t *ep, int cap) {
+    size_t c = (size_t)cap;
+    size_t *fo = realloc(ep->full_off, sizeof *fo * c);
+    if (fo)
+        ep->full_off = fo;
+    size_t *sz = fo ? realloc(ep->size, sizeof *sz * c) : NULL;
+    if (sz)
+        ep->size = sz;
+    int *ow = sz ? realloc(ep->owner, sizeof *ow * c) : NULL;
+    if (ow)
+        ep->owner = ow;
+    int64_t *so = ow ? realloc(ep->shard_off, sizeof *so * c) : NULL;
+    if (!so)
+        return mo_errorf(MO_ENOMEM, "ep_shard: out of memory for %d entries", cap);
+    ep->shard_off = so;
+    return MO_OK;
+}
+
+int ep_shard_add_full(ep_shard_t *ep, const lora_adapter_t *shard) {
+    if (ep->n_full != ep->n_lora)
+        return mo_errorf(MO_ESTATE, "ep_shard: the full tensors are already in the plan");
+    if (shard->n_full == 0)
+        return MO_OK;
+    TRY(grow_tables(ep, ep->n_lora + shard->n_full));
+    for (int j = 0; j < shard->n_full; j++) {
+        const lora_tensor_t *lt = &shard->tensors[shard->n_tensors - shard->n_full + j];
+        int i = ep->n_lora + j;
+        ep->full_off[i] = ep->full_params;
+        ep->size[i] = lt->numel;
+        ep->owner[i] = -1;
+        ep->shard_off[i] = (int64_t)lt->offset;
+        ep->full_params += lt->numel;
+    }
+    ep->n_full = ep->n_lora + shard->n_full;
+    ep->shard = shard;
     return MO_OK;
 }
 
@@ -125,6 +165,17 @@ int ep_shard_new(ep_shard_t **out, comm_t *cm, const lora_config_t *cfg,
 
 int ep_shard_full_new(const ep_shard_t *ep, lora_adapter_t **full) {
     TRY(lora_adapter_new_selected(full, &ep->lcfg, ep->mods, ep->n_mods, ep->sel));
+    int rc = MO_OK;
+    for (int i = ep->n_lora; i < ep->n_full && rc == MO_OK; i++) {
+        const lora_adapter_t *s = ep->shard;
+        const lora_tensor_t *lt = &s->tensors[s->n_tensors - s->n_full + (i - ep->n_lora)];
+        rc = lora_adapter_add_full(*full, lt->name, (int)lt->shape[0], (int)lt->shape[1],
+                                   s->params + lt->offset);
+    }
+    if (rc < 0) {
+        lora_adapter_destroy(full);
+        return rc;
+    }
     MO_ASSERT((*full)->n_params == ep->full_params);
     return MO_OK;
 }

@@ -29,18 +29,20 @@ extern "C" {
 typedef struct ep_shard {
     comm_t *comm; /* borrowed */
     int N, rank, E;
-    int n_full;          /* entries of the whole adapter */
-    size_t full_params;  /* P */
-    size_t *full_off;    /* (n_full) entry i's first float in the whole buffer */
-    size_t *size;        /* (n_full) entry i's floats, R (C + OC): its A then its B */
-    int *owner;          /* (n_full) the rank holding entry i alone, -1 when replicated */
-    int64_t *shard_off;  /* (n_full) entry i's first float in this rank's shard, -1 */
-    int64_t *counts;     /* (N) floats of owned expert entries per rank */
-    int64_t *displs;     /* (N) */
-    lora_config_t lcfg;  /* the whole adapter's config (no grads), targets borrowed */
+    int n_full;         /* entries of the whole adapter: LoRA entries, then full tensors */
+    int n_lora;         /* the LoRA entries (first n_lora); the rest: ep_shard_add_full */
+    size_t full_params; /* P */
+    size_t *full_off;   /* (n_full) entry i's first float in the whole buffer */
+    size_t *size;       /* (n_full) entry i's floats, R (C + OC): its A then its B */
+    int *owner;         /* (n_full) the rank holding entry i alone, -1 when replicated */
+    int64_t *shard_off; /* (n_full) entry i's first float in this rank's shard, -1 */
+    int64_t *counts;    /* (N) floats of owned expert entries per rank */
+    int64_t *displs;    /* (N) */
+    lora_config_t lcfg; /* the whole adapter's config (no grads), targets borrowed */
     const lora_module_desc_t *mods; /* (n_mods) the model's module list, borrowed */
     int n_mods;
-    unsigned char *sel; /* (n_mods) the whole adapter's selection */
+    unsigned char *sel;          /* (n_mods) the whole adapter's selection */
+    const lora_adapter_t *shard; /* borrowed: names and shapes of the full tensors */
 } ep_shard_t;
 
 /* The routed expert a module name belongs to ("....experts.17.gate_proj" -> 17), or -1
@@ -55,8 +57,16 @@ int ep_shard_new(ep_shard_t **out, comm_t *cm, const lora_config_t *cfg,
                  const lora_module_desc_t *mods, int n_mods, int E, lora_adapter_t **shard);
 void ep_shard_destroy(ep_shard_t **ep);
 
-/* A whole adapter (every entry, no gradient buffer); its parameters are then overwritten
- * by ep_shard_gather or a load. */
+/* Adds shard's full tensors (model_adapter_add_full: routers and norms trained in full,
+ * the same on every rank) to the plan as replicated entries after the LoRA entries: the
+ * whole adapter (ep_shard_full_new) then carries them in the same order, gathers take
+ * them from rank 0, and ep_shard_grad_sqsum counts them once. Their gradients are
+ * per-rank partial sums to be all-reduced like the replicated LoRA entries'. Call it
+ * once, after the full tensors are added to shard, which must outlive the plan. */
+int ep_shard_add_full(ep_shard_t *ep, const lora_adapter_t *shard);
+
+/* A whole adapter (every entry and full tensor, no gradient buffer); its parameters are
+ * then overwritten by ep_shard_gather or a load. */
 int ep_shard_full_new(const ep_shard_t *ep, lora_adapter_t **full);
 
 /* Collective: full (P floats, written on rank 0 only, NULL elsewhere is fine) = the whole

@@ -46,7 +46,10 @@ static int make_adapter(sft_t *s) {
         lc.targets = (const char *const *)c->lora.targets.items;
         lc.n_targets = c->lora.targets.n;
     }
-    return lora_adapter_new(&s->ad, &lc, s->m->modules, s->m->n_modules);
+    TRY(lora_adapter_new(&s->ad, &lc, s->m->modules, s->m->n_modules));
+    if (c->lora.train_router || c->lora.train_norms)
+        TRY(model_adapter_add_full(s->m, s->ad, c->lora.train_router, c->lora.train_norms));
+    return MO_OK;
 }
 
 static int make_optim(sft_t *s) {
@@ -59,7 +62,8 @@ static int make_optim(sft_t *s) {
     hp.weight_decay = 0.0;
     if (hp.grad_clip <= 0)
         hp.grad_clip = 1.0;
-    return optim_init(&s->opt, s->ad->n_params, &hp, NULL);
+    TRY(optim_init(&s->opt, s->ad->n_params, &hp, NULL));
+    return trainer_no_decay(&s->opt, s->ad);
 }
 
 static int make_eval_reward(sft_t *s) {
@@ -392,11 +396,17 @@ static int merged_tensor(const model_t *m, const lora_adapter_t *ad, float logit
                          "not supported",
                          in->name);
     dtype_t dt = dtype_is_float(in->dtype) ? DT_F32 : in->dtype;
+    int ft = ad && dt == DT_F32 ? lora_adapter_find_full(ad, in->name) : -1;
+    if (ft >= 0 && (int64_t)ad->tensors[ft].numel != numel)
+        return mo_errorf(MO_EINVAL, "sft merge: %s has %lld values, the trained copy %zu", in->name,
+                         (long long)numel, ad->tensors[ft].numel);
     size_t bytes = (size_t)numel * dtype_size(dt);
     void *buf = malloc(bytes ? bytes : 1);
     if (!buf)
         return mo_errorf(MO_ENOMEM, "sft merge: out of memory for %s", in->name);
-    if (dt == DT_F32)
+    if (ft >= 0) /* a router or norm trained in full */
+        memcpy(buf, ad->params + ad->tensors[ft].offset, bytes);
+    else if (dt == DT_F32)
         convert_to_f32(buf, src.data, in->dtype, (size_t)numel);
     else
         memcpy(buf, src.data, bytes);

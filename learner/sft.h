@@ -30,8 +30,11 @@ extern "C" {
  * projection) on every projection (targets "all-linear"), at temperature 1/logit_scale;
  * saving merges it into the base weights (lora_merge, f32) and multiplies the final norm
  * (model.norm.weight) by logit_scale, so the saved model at temperature 1 is the trained
- * one. The embeddings, lm_head, routers and norms keep their initial values; the logit
- * scale stands in for the confidence that training the norms or lm_head would give. */
+ * one. The embeddings and lm_head keep their initial values, and so do the routers and
+ * norms unless lora.train_router / lora.train_norms train them (then in full, in both
+ * modes: saved with the LoRA adapter as modules_to_save, or written by the merge in
+ * place of the base's); the logit scale stands in for the confidence that training the
+ * lm_head would give. Norm vectors take no weight decay (trainer_no_decay). */
 
 typedef struct sft_opts {
     int64_t steps;     /* optimizer updates (for the schedule); >= 1 */
@@ -82,7 +85,8 @@ typedef struct sft {
 /* Opens model.path, its tokenizer, the data section (dataset_open_config) and the eval
  * reward (the task's verifier, else reward.function), and builds the adapter: the lora
  * section (rank from opts), or rank R on "all-linear" with alpha = R in full mode, init
- * seed trainer_lora_seed. The config must outlive the sft. */
+ * seed trainer_lora_seed, plus the routers and norms lora.train_router and
+ * lora.train_norms ask for (model_adapter_add_full). The config must outlive the sft. */
 int sft_new(sft_t **out, const moerl_config_t *cfg, const sft_opts_t *opts);
 void sft_destroy(sft_t **s);
 
@@ -105,7 +109,8 @@ int sft_save(sft_t *s, const char *dir);
 
 /* Writes the base model of m with adapter ad merged into it as a Hugging Face model
  * directory: config.json (torch_dtype float32), model.safetensors (every float tensor in
- * f32, adapted projections with scale * B A added, model.norm.weight times logit_scale)
+ * f32, adapted projections with scale * B A added, the tensors ad trains in full with
+ * their trained values, model.norm.weight times logit_scale)
  * and the tokenizer files of m's directory. dir is created when missing. MO_EUNSUPPORTED
  * for an fp8 base. */
 int sft_merge_model(const model_t *m, const lora_adapter_t *ad, float logit_scale, const char *dir);

@@ -167,10 +167,16 @@ uint64_t trainer_lora_seed(const moerl_config_t *cfg) {
 }
 
 /* Expert parallelism: this rank's shard of the adapter (and of the initial one). */
-static int make_shard(trainer_t *t, const lora_config_t *lc) {
-    const model_t *m = t->model;
+/* The expert-parallel adapter shard; the routers and norms trained in full (router,
+ * norms) are replicated on every rank like the attention adapters. */
+static int make_shard(trainer_t *t, const lora_config_t *lc, int router, int norms) {
+    model_t *m = t->model;
     TRY(ep_shard_new(&t->ep, t->comm, lc, m->modules, m->n_modules, m->n_moe > 0 ? m->E : 0,
                      &t->adapter));
+    if (router || norms) {
+        TRY(model_adapter_add_full(m, t->adapter, router, norms));
+        TRY(ep_shard_add_full(t->ep, t->adapter));
+    }
     if (!t->opts.init_adapter)
         return MO_OK;
     lora_adapter_t *whole = NULL;
@@ -193,13 +199,8 @@ static int make_adapter(trainer_t *t, const moerl_config_t *cfg) {
                         .targets = (const char *const *)cfg->lora.targets.items,
                         .n_targets = cfg->lora.targets.n};
     int full = cfg->lora.train_router || cfg->lora.train_norms;
-    if (t->comm && full)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "trainer: lora.train_router and lora.train_norms do not run "
-                         "expert-parallel (%d ranks); turn them off or use one rank",
-                         comm_size(t->comm));
     if (t->comm)
-        return make_shard(t, &lc);
+        return make_shard(t, &lc, cfg->lora.train_router, cfg->lora.train_norms);
     TRY(lora_adapter_new(&t->adapter, &lc, t->model->modules, t->model->n_modules));
     if (full)
         TRY(model_adapter_add_full(t->model, t->adapter, cfg->lora.train_router,
@@ -209,6 +210,13 @@ static int make_adapter(trainer_t *t, const moerl_config_t *cfg) {
         if (rc < 0)
             return mo_error_wrap(rc, "trainer: initial adapter %s", t->opts.init_adapter);
     }
+    return MO_OK;
+}
+
+int trainer_no_decay(optim_t *o, const lora_adapter_t *ad) {
+    for (int i = ad->n_tensors - ad->n_full; i < ad->n_tensors; i++)
+        if (ad->tensors[i].shape[1] == 1)
+            TRY(optim_no_decay(o, ad->tensors[i].offset, ad->tensors[i].numel));
     return MO_OK;
 }
 
@@ -237,6 +245,8 @@ int trainer_new(trainer_t **out, const moerl_config_t *cfg, model_t *model,
         optim_hp_t hp = optim_hp_from_config(&cfg->learner);
         rc = optim_init(&t->optim, t->adapter->n_params, &hp, NULL);
     }
+    if (rc == MO_OK)
+        rc = trainer_no_decay(&t->optim, t->adapter);
     if (rc < 0) {
         trainer_destroy(&t);
         return rc;
@@ -811,6 +821,17 @@ static int train_mb(trainer_t *t, int i0, int i1, const pl_norm_t *norm, pl_metr
     return model_backward(t->model, b->dlogp + b->t0, want_ent ? b->dent + b->t0 : NULL);
 }
 
+/* Sums over the ranks the gradients of the full tensors (routers, norms), replicated on
+ * every rank and contiguous at the end of the adapter's buffer. */
+static int allreduce_full(trainer_t *t) {
+    const lora_adapter_t *ad = t->adapter;
+    if (ad->n_full == 0)
+        return MO_OK;
+    size_t off = ad->tensors[ad->n_tensors - ad->n_full].offset, n = ad->n_params - off;
+    float *g = ad->grads + off;
+    return moe_ep_allreduce_grads(t->comm, &g, &n, 1);
+}
+
 /* One optimizer update over the minibatch order[lo..hi). */
 static int update(trainer_t *t, int lo, int hi, pl_metrics_t *tot, trainer_metrics_t *m) {
     trainer_work_t *w = t->w;
@@ -829,6 +850,7 @@ static int update(trainer_t *t, int lo, int hi, pl_metrics_t *tot, trainer_metri
     double sq = 0.0;
     if (t->comm) { /* replicated gradients summed, the norm over every shard */
         TRY(moe_ep_allreduce_replicated(t->comm, t->adapter));
+        TRY(allreduce_full(t));
         TRY(ep_shard_grad_sqsum(t->ep, t->adapter->grads, &sq));
     }
     TRY(optim_step(&t->optim, t->adapter->params, t->adapter->grads, um.loss,

@@ -175,6 +175,11 @@ uint64_t trainer_config_hash(const moerl_config_t *cfg);
  * when that is 0. */
 uint64_t trainer_lora_seed(const moerl_config_t *cfg);
 
+/* Marks ad's one-column full tensors (the norm vectors model_adapter_add_full adds) as
+ * taking no weight decay in o (optim_no_decay), whose buffer is ad's; the LoRA A and B
+ * and the routers keep it. */
+int trainer_no_decay(optim_t *o, const lora_adapter_t *ad);
+
 /* Builds the trainer of a job: model NULL opens model.path (owned), else the model is
  * borrowed and must outlive the trainer. The adapter follows the lora section (and
  * opts->init_adapter), the optimizer the learner section. The trainer binds its adapter

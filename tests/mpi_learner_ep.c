@@ -2,7 +2,8 @@
  * Qwen3-MoE (8 experts) with LoRA on attention and experts, each rank's trainer (experts
  * and expert adapters sharded over the N ranks, sequences split) gives the single-rank
  * trainer's loss, gradient norm, gradients and adapter after each of three optimizer
- * steps, with and without routing replay, recompute, KL penalty and entropy bonus; the whole adapter
+ * steps, with and without routing replay, recompute, KL penalty and entropy bonus, and
+ * with the routers and norms trained in full (replicated); the whole adapter
  * gathered on rank 0 equals the single-rank one; a checkpoint written by 2 ranks resumes
  * on one rank and on all N ranks to the same adapter and trains on identically; per-rank
  * expert weight memory is 1 / N; E not a multiple of N is refused naming both. Every
@@ -244,8 +245,9 @@ static void step_both(trainer_t *ref, trainer_t *ep, sample_group_t **g, int k) 
         CU_ASSERT(fabs(me.expert_imbalance[l] - mr.expert_imbalance[l]) < 1e-9);
 }
 
-/* Three optimizer steps, sharded over every rank against one rank. */
-static void run_equal(int replay, int kl_entropy) {
+/* Three optimizer steps, sharded over every rank against one rank; full: the routers
+ * and norms trained in full too (replicated, gradients summed over the ranks). */
+static void run_equal(int replay, int kl_entropy, int full) {
     lf_t f;
     lf_open(&f);
     lf_set(&f, "learner.minibatches", "1");
@@ -264,9 +266,18 @@ static void run_equal(int replay, int kl_entropy) {
         lf_set(&f, "learner.kl_coef", "0.05");
         lf_set(&f, "learner.entropy_coef", "0.01");
     }
+    if (full) {
+        lf_set(&f, "lora.train_router", "true");
+        lf_set(&f, "lora.train_norms", "true");
+        lf_set(&f, "learner.weight_decay", "0.1"); /* the routers decay, the norms do not */
+    }
     trainer_t *ref = lf_trainer(&f);
     trainer_t *ep = ep_trainer(&f, g_c);
     CU_ASSERT_EQUAL_FATAL(trainer_ranks(ep), g_size);
+    CU_ASSERT_EQUAL(ep->adapter->n_full, ref->adapter->n_full);
+    CU_ASSERT_EQUAL(ep->optim.n_nd, ref->optim.n_nd);
+    if (full)
+        CU_ASSERT(ref->adapter->n_full > 0 && ref->optim.n_nd > 0);
     size_t n = ref->adapter->n_params;
     if (g_size > 1)
         CU_ASSERT(ep->adapter->n_params < n);
@@ -290,11 +301,19 @@ static void run_equal(int replay, int kl_entropy) {
 }
 
 static void test_train_equal(void) {
-    run_equal(0, 0);
+    run_equal(0, 0, 0);
 }
 
 static void test_train_equal_replay_kl(void) {
-    run_equal(1, 1);
+    run_equal(1, 1, 0);
+}
+
+static void test_train_equal_full(void) {
+    run_equal(0, 0, 1);
+}
+
+static void test_train_equal_full_replay(void) {
+    run_equal(1, 0, 1);
 }
 
 /* Expert weights per rank fall as 1 / N; replicated adapter entries stay whole. */
@@ -327,11 +346,16 @@ static void test_expert_memory(void) {
     lf_close(&f);
 }
 
-/* Written by 2 ranks (ranks 0 and 1), resumed on 1 rank and on all g_size ranks. */
-static void test_checkpoint_reshard(void) {
+/* Written by 2 ranks (ranks 0 and 1), resumed on 1 rank and on all g_size ranks; full:
+ * with the routers and norms trained in full. */
+static void run_checkpoint_reshard(int full) {
     lf_t f;
     lf_open(&f);
     lf_set(&f, "learner.minibatches", "1");
+    if (full) {
+        lf_set(&f, "lora.train_router", "true");
+        lf_set(&f, "lora.train_norms", "true");
+    }
     char run[600];
     snprintf(run, sizeof run, "%s", f.run_dir);
     CU_ASSERT_EQUAL_FATAL(comm_bcast(g_c, run, sizeof run, DT_U8, 0), 0); /* rank 0's */
@@ -394,6 +418,14 @@ static void test_checkpoint_reshard(void) {
     lf_close(&f);
 }
 
+static void test_checkpoint_reshard(void) {
+    run_checkpoint_reshard(0);
+}
+
+static void test_checkpoint_reshard_full(void) {
+    run_checkpoint_reshard(1);
+}
+
 /* E = N + 1 routed experts over N ranks: refused, naming both. */
 static void test_uneven_experts(void) {
     if (g_size < 2)
@@ -426,8 +458,11 @@ static void test_uneven_experts(void) {
 static CU_TestInfo g_tests[] = {
     {"train_equal", test_train_equal},
     {"train_equal_replay_kl", test_train_equal_replay_kl},
+    {"train_equal_full", test_train_equal_full},
+    {"train_equal_full_replay", test_train_equal_full_replay},
     {"expert_memory", test_expert_memory},
     {"checkpoint_reshard", test_checkpoint_reshard},
+    {"checkpoint_reshard_full", test_checkpoint_reshard_full},
     {"uneven_experts", test_uneven_experts},
     CU_TEST_INFO_NULL,
 };

@@ -1,8 +1,9 @@
 /* test_ep_shard: adapter shards of the expert-parallel learner in one process: expert ids
  * from module names, what each of N ranks holds (replicated entries everywhere, each
  * expert's entries on its owner only, values equal to the whole adapter's), extracting
- * and reassembling a whole buffer, the one-rank gather and gradient norm, and E not a
- * multiple of N. Collectives over several ranks are in tests/mpi_learner_ep.c. */
+ * and reassembling a whole buffer, the one-rank gather and gradient norm, routers and
+ * norms trained in full as replicated entries, and E not a multiple of N. Collectives over several
+ * ranks are in tests/mpi_learner_ep.c. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -159,6 +160,69 @@ static void test_one_rank_gather(void) {
     comm_destroy(&c);
 }
 
+/* Full tensors (routers, norms) in the plan, for N = 2: replicated after the LoRA
+ * entries, in the whole adapter under the same names and shapes, extracted into the
+ * shard, gathered on one rank, counted once in the norm; a second add is refused. */
+static void test_full_tensors(void) {
+    build_modules();
+    lora_config_t lc = config();
+    float v[2 * 16];
+    tu_fill(v, 32, 8, 0.5f, 1.5f);
+    for (int N = 1; N <= 2; N++) {
+        comm_t fc = fake_comm(N - 1, N), *one = NULL;
+        comm_t *c = &fc;
+        if (N == 1) {
+            CU_ASSERT_EQUAL_FATAL(comm_single_new(&one), 0);
+            c = one;
+        }
+        ep_shard_t *ep = NULL;
+        lora_adapter_t *sh = NULL;
+        CU_ASSERT_EQUAL_FATAL(ep_shard_new(&ep, c, &lc, g_mods, g_n, E, &sh), 0);
+        size_t P0 = ep->full_params;
+        int n0 = ep->n_full;
+        CU_ASSERT_EQUAL_FATAL(lora_adapter_add_full(sh, "model.layers.0.mlp.gate.weight", 2, 16, v),
+                              0);
+        CU_ASSERT_EQUAL_FATAL(lora_adapter_add_full(sh, "model.norm.weight", 16, 1, v + 16), 0);
+        CU_ASSERT_EQUAL_FATAL(ep_shard_add_full(ep, sh), 0);
+        CU_ASSERT_EQUAL(ep_shard_add_full(ep, sh), MO_ESTATE);
+        CU_ASSERT_EQUAL(ep->n_lora, n0);
+        CU_ASSERT_EQUAL(ep->n_full, n0 + 2);
+        CU_ASSERT_EQUAL(ep->full_params, P0 + 48);
+        CU_ASSERT(ep->owner[n0] == -1 && ep->owner[n0 + 1] == -1);
+        CU_ASSERT(ep->full_off[n0 + 1] == P0 + 32 && ep->size[n0 + 1] == 16);
+        lora_adapter_t *whole = NULL;
+        CU_ASSERT_EQUAL_FATAL(ep_shard_full_new(ep, &whole), 0);
+        CU_ASSERT_EQUAL(whole->n_full, 2);
+        CU_ASSERT_EQUAL(whole->n_params, P0 + 48);
+        int t = lora_adapter_find_full(whole, "model.norm.weight");
+        CU_ASSERT_FATAL(t >= 0);
+        CU_ASSERT(whole->tensors[t].shape[0] == 16 && whole->tensors[t].shape[1] == 1);
+        CU_ASSERT(whole->tensors[t].offset == P0 + 32);
+        /* The whole buffer's full tensors land at the shard's. */
+        float *ref = malloc(sizeof *ref * whole->n_params);
+        CU_ASSERT_FATAL(ref != NULL);
+        tu_fill(ref, whole->n_params, 9, -1.0f, 1.0f);
+        tu_poison(sh->params, sh->n_params);
+        ep_shard_extract(ep, ref, sh->params);
+        size_t so = sh->tensors[sh->n_tensors - 2].offset;
+        CU_ASSERT(!memcmp(sh->params + so, ref + P0, sizeof(float) * 48));
+        if (N == 1) {
+            tu_poison(whole->params, whole->n_params);
+            CU_ASSERT_EQUAL(ep_shard_gather_state(ep, sh, NULL, whole, NULL), 0);
+            CU_ASSERT(!memcmp(whole->params, ref, sizeof(float) * whole->n_params));
+            tu_fill(sh->grads, sh->n_params, 10, -1.0f, 1.0f);
+            double sq = -1.0, want = optim_grad_sqsum(sh->grads, sh->n_params);
+            CU_ASSERT_EQUAL(ep_shard_grad_sqsum(ep, sh->grads, &sq), 0);
+            CU_ASSERT(fabs(sq - want) <= 1e-12 * want);
+        }
+        free(ref);
+        lora_adapter_destroy(&whole);
+        lora_adapter_destroy(&sh);
+        ep_shard_destroy(&ep);
+        comm_destroy(&one);
+    }
+}
+
 static void test_uneven(void) {
     build_modules();
     lora_config_t lc = config();
@@ -176,6 +240,7 @@ int main(void) {
         {"expert_of", test_expert_of},
         {"shards_cover_whole", test_shards_cover_whole},
         {"one_rank_gather", test_one_rank_gather},
+        {"full_tensors", test_full_tensors},
         {"uneven", test_uneven},
         CU_TEST_INFO_NULL,
     };

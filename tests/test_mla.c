@@ -230,6 +230,172 @@ static void test_fd_yarn(void) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Router and norm weights trained in full.                                  */
+
+/* Kinds of trainable tensor the check below reports separately, since their gradients
+ * differ by orders of magnitude. */
+enum { KIND_ROUTER = 0, KIND_LAYER_NORM, KIND_MLA_NORM, KIND_FINAL_NORM, KIND_LORA, N_KINDS };
+static const char *const g_kind_names[N_KINDS] = {"router", "layer norm", "MLA latent norm",
+                                                  "final norm", "LoRA"};
+
+static int full_kind(const char *name) {
+    if (strstr(name, ".gate.weight"))
+        return KIND_ROUTER;
+    if (strstr(name, "a_layernorm"))
+        return KIND_MLA_NORM;
+    if (!strcmp(name, "model.norm.weight"))
+        return KIND_FINAL_NORM;
+    return KIND_LAYER_NORM;
+}
+
+/* Sample i: even samples a full tensor by turns (element at random), odd ones an MLA
+ * LoRA parameter (sample_param). *kind receives the sample's kind. */
+static size_t sample_full(const lora_adapter_t *ad, int i, uint64_t seed, int *kind) {
+    if (i % 2) {
+        *kind = KIND_LORA;
+        return sample_param(ad, i / 2, seed);
+    }
+    const lora_tensor_t *t = &ad->tensors[ad->n_tensors - ad->n_full + (i / 2) % ad->n_full];
+    *kind = full_kind(t->name);
+    size_t j = (size_t)(rng_uniform(seed, 9, (uint64_t)i) * (float)t->numel) % t->numel;
+    return t->offset + j;
+}
+
+/* Central differences (routing replayed, as fd_check; the balance loss included) on n
+ * samples of sample_full; err[k] the normalised error of kind k, cnt[k] its samples. */
+static void fd_check_full(mx_t *f, int n, float eps, double *err, int *cnt) {
+    mx_gradient(f, f->m);
+    size_t rl = routing_len(f);
+    uint16_t *r0 = malloc(rl * 2);
+    float logp[MAXT], ent[MAXT];
+    mx_forward(f, f->m, logp, ent, r0, NULL, 0);
+    double maxd[N_KINDS] = {0}, maxg[N_KINDS];
+    for (int k = 0; k < N_KINDS; k++)
+        maxg[k] = 1e-3, cnt[k] = 0;
+    for (int i = 0; i < n; i++) {
+        int kind;
+        size_t p = sample_full(f->ad, i, 99, &kind);
+        float keep = f->ad->params[p];
+        f->ad->params[p] = keep + eps;
+        double lp = mx_forward(f, f->m, logp, ent, NULL, r0, 0) + model_aux_loss(f->m);
+        f->ad->params[p] = keep - eps;
+        double lm = mx_forward(f, f->m, logp, ent, NULL, r0, 0) + model_aux_loss(f->m);
+        f->ad->params[p] = keep;
+        double fd = (lp - lm) / (2.0 * (double)eps), an = f->ad->grads[p];
+        maxd[kind] = fmax(maxd[kind], fabs(fd - an));
+        maxg[kind] = fmax(maxg[kind], fabs(an));
+        cnt[kind]++;
+    }
+    for (int k = 0; k < N_KINDS; k++)
+        err[k] = maxd[k] / maxg[k];
+    free(r0);
+}
+
+/* The tiny DeepSeek-V3 (MLA, sigmoid router with a non-zero e_score_correction_bias and
+ * group limit, a shared expert, layer 0 dense) with the routers and every norm trained in
+ * full and the balance loss on: the table (the MLA latent norms included), the
+ * gradients of each kind against central differences, a gradient for every full tensor,
+ * the frozen values back after unbinding, and a PEFT round trip under the Hugging Face
+ * names. */
+static void run_fd_full(mx_kind_t kind, int recompute) {
+    mx_t f;
+    model_opts_t o = {recompute, 0, 0.05f};
+    mx_open(&f, kind, &o);
+    model_t *m = f.m;
+    CU_ASSERT_FATAL(m->L == 2 && !m->layers[0].moe && m->layers[1].moe);
+    CU_ASSERT_FATAL(m->layers[1].moe_cfg.n_shared == 1 && m->layers[1].e_bias);
+    /* A correction bias that changes the selection (it is 0 in the checkpoint). */
+    size_t rl = routing_len(&f);
+    uint16_t *r0 = malloc(rl * 2), *r1 = malloc(rl * 2);
+    float lp0[MAXT], lp1[MAXT], ent[MAXT];
+    mx_forward(&f, m, lp0, ent, r0, NULL, 0);
+    tu_fill((float *)m->layers[1].e_bias, (size_t)m->E, 41, 0.0f, 0.3f);
+    mx_forward(&f, m, lp0, ent, r1, NULL, 0);
+    CU_ASSERT(memcmp(r0, r1, rl * 2) != 0);
+    free(r0);
+    free(r1);
+    int qa = m->mla_cfg.q_rank > 0;
+    CU_ASSERT_EQUAL_FATAL(model_set_adapter(m, NULL), 0);
+    const float *kv0 = m->layers[0].mla.kv_a_norm, *qa0 = m->layers[1].mla.q_a_norm;
+    int lora_tensors = f.ad->n_tensors, want = 2 * (3 + qa) + 1 + 1;
+    CU_ASSERT_EQUAL_FATAL(model_adapter_add_full(m, f.ad, 1, 1), 0);
+    CU_ASSERT_EQUAL(f.ad->n_full, want);
+    const char *names[3] = {"model.layers.1.self_attn.kv_a_layernorm.weight",
+                            "model.layers.1.self_attn.q_a_layernorm.weight",
+                            "model.layers.1.mlp.gate.weight"};
+    for (int i = 0; i < 3; i++) {
+        int t = lora_adapter_find_full(f.ad, names[i]);
+        if (i == 1 && !qa) {
+            CU_ASSERT(t < 0);
+            continue;
+        }
+        CU_ASSERT_FATAL(t >= 0);
+        int64_t rows = i == 0 ? m->mla_cfg.kv_rank : i == 1 ? m->mla_cfg.q_rank : m->E;
+        CU_ASSERT(f.ad->tensors[t].shape[0] == rows);
+        CU_ASSERT(f.ad->tensors[t].shape[1] == (i == 2 ? m->D : 1));
+    }
+    int tkv = lora_adapter_find_full(f.ad, "model.layers.0.self_attn.kv_a_layernorm.weight");
+    CU_ASSERT_FATAL(tkv >= 0);
+    CU_ASSERT(memcmp(f.ad->params + f.ad->tensors[tkv].offset, kv0,
+                     sizeof(float) * (size_t)m->mla_cfg.kv_rank) == 0);
+    for (int t = lora_tensors; t < f.ad->n_tensors; t++) {
+        float *p = f.ad->params + f.ad->tensors[t].offset;
+        for (size_t j = 0; j < f.ad->tensors[t].numel; j++)
+            p[j] *= 0.7f + 0.6f * rng_uniform(21, (uint64_t)t, j);
+    }
+    CU_ASSERT_EQUAL_FATAL(model_set_adapter(m, f.ad), 0);
+    CU_ASSERT(m->layers[0].mla.kv_a_norm == f.ad->params + f.ad->tensors[tkv].offset);
+    CU_ASSERT(m->layers[0].mla.d_kv_a_norm == f.ad->grads + f.ad->tensors[tkv].offset);
+    double err[N_KINDS];
+    int cnt[N_KINDS];
+    fd_check_full(&f, 12 * want, 2e-3f, err, cnt);
+    for (int k = 0; k < N_KINDS; k++) {
+        char what[128];
+        snprintf(what, sizeof what, "deepseek_v3 %s gradient (%s, recompute %d)", g_kind_names[k],
+                 kind == MX_QLORA ? "q_a/q_b" : "q_proj", recompute);
+        CU_ASSERT(cnt[k] >= 2);
+        TU_ASSERT_CLOSE(err[k], 1e-2, what);
+    }
+    for (int t = lora_tensors; t < f.ad->n_tensors; t++) {
+        double g = 0.0;
+        for (size_t j = 0; j < f.ad->tensors[t].numel; j++)
+            g += fabs(f.ad->grads[f.ad->tensors[t].offset + j]);
+        if (!(g > 0.0))
+            tu_report("no gradient for %s", f.ad->tensors[t].name);
+        CU_ASSERT(g > 0.0);
+    }
+    /* Saved and loaded under the Hugging Face names: the same logprobs. */
+    char adir[600];
+    snprintf(adir, sizeof adir, "%s/adapter", f.dir);
+    CU_ASSERT_EQUAL_FATAL(peft_save(f.ad, adir, NULL), 0);
+    lora_adapter_t *back = NULL;
+    int rc = peft_load_new(&back, adir, m->modules, m->n_modules, 1);
+    if (rc < 0)
+        tu_report("peft load: %s", mo_last_error());
+    CU_ASSERT_EQUAL_FATAL(rc, 0);
+    CU_ASSERT_EQUAL(back->n_full, want);
+    CU_ASSERT(lora_adapter_find_full(back, names[0]) >= 0);
+    mx_forward(&f, m, lp0, ent, NULL, NULL, 0);
+    CU_ASSERT_EQUAL_FATAL(model_set_adapter(m, back), 0);
+    mx_forward(&f, m, lp1, ent, NULL, NULL, 0);
+    CU_ASSERT(memcmp(lp0, lp1, sizeof(float) * (size_t)f.T) == 0);
+    CU_ASSERT_EQUAL(model_set_adapter(m, NULL), 0);
+    lora_adapter_destroy(&back);
+    CU_ASSERT(m->layers[0].mla.kv_a_norm == kv0 && m->layers[1].mla.q_a_norm == qa0);
+    CU_ASSERT_PTR_NULL(m->layers[0].mla.d_kv_a_norm);
+    CU_ASSERT_PTR_NULL(m->layers[1].mla.d_q_a_norm);
+    mx_close(&f);
+}
+
+static void test_fd_full_q_lora(void) {
+    run_fd_full(MX_QLORA, 0);
+}
+
+static void test_fd_full_q_proj_recompute(void) {
+    run_fd_full(MX_QPROJ, 1);
+}
+
+/* ------------------------------------------------------------------------ */
 /* PyTorch reference.                                                        */
 
 static int write_ref_input(const mx_t *f, const char *path) {
@@ -581,6 +747,8 @@ int main(void) {
         {"fd_q_lora", test_fd_q_lora},
         {"fd_q_proj", test_fd_q_proj},
         {"fd_yarn", test_fd_yarn},
+        {"fd_full_q_lora", test_fd_full_q_lora},
+        {"fd_full_q_proj_recompute", test_fd_full_q_proj_recompute},
         {"reference_q_lora", test_reference_q_lora},
         {"reference_q_proj", test_reference_q_proj},
         {"reference_yarn", test_reference_yarn},

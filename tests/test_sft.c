@@ -1,6 +1,7 @@
 /* test_sft: supervised warm start: pair encoding and the response-only loss, the loss
- * falling on a small batch, masking of prompt tokens, LoRA and merged full-model saves,
- * and greedy eval accuracy after memorising the eval problems. */
+ * falling on a small batch, masking of prompt tokens, LoRA and merged full-model saves
+ * (with routers and norms trained in full too), and greedy eval accuracy after
+ * memorising the eval problems. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -184,29 +185,71 @@ static void test_response_only(void) {
     fx_close(&f);
 }
 
-static void test_lora_save(void) {
+/* LoRA SFT saves a PEFT adapter that loads back bit for bit; with lora.train_router and
+ * lora.train_norms the routers and norms train next to the adapters (each one moves) and
+ * are saved with it as modules_to_save. */
+static void run_lora_save(int full_tensors) {
     fx_t f;
     fx_open(&f);
+    if (full_tensors) {
+        set(&f, "lora.train_router", "true");
+        set(&f, "lora.train_norms", "true");
+    }
     sft_t *s = fx_sft(&f, 0, 1e-2, 5);
+    const model_t *m = s->m;
+    int want = 0;
+    for (int l = 0; full_tensors && l < m->L; l++)
+        want += 2 + (m->layers[l].q_norm ? 2 : 0) + m->layers[l].moe;
+    want += full_tensors;
+    CU_ASSERT_EQUAL_FATAL(s->ad->n_full, want);
+    float *before = malloc(sizeof(float) * s->ad->n_params);
+    memcpy(before, s->ad->params, sizeof(float) * s->ad->n_params);
     for (int k = 0; k < 5; k++)
         CU_ASSERT_EQUAL_FATAL(sft_step(s, k_pairs, 4, NULL), 0);
+    for (int i = s->ad->n_tensors - s->ad->n_full; i < s->ad->n_tensors; i++) {
+        const lora_tensor_t *lt = &s->ad->tensors[i];
+        int moved =
+            memcmp(before + lt->offset, s->ad->params + lt->offset, sizeof(float) * lt->numel) != 0;
+        if (!moved)
+            tu_report("%s did not move", lt->name);
+        CU_ASSERT(moved);
+    }
+    free(before);
     char dir[700];
     snprintf(dir, sizeof dir, "%s/adapter", f.dir);
     CU_ASSERT_EQUAL_FATAL(sft_save(s, dir), 0);
     lora_adapter_t *ad = NULL;
     CU_ASSERT_EQUAL_FATAL(peft_load_new(&ad, dir, s->m->modules, s->m->n_modules, 1), 0);
     CU_ASSERT_EQUAL(ad->n_params, s->ad->n_params);
+    CU_ASSERT_EQUAL(ad->n_full, want);
     CU_ASSERT(!memcmp(ad->params, s->ad->params, sizeof(float) * ad->n_params));
+    if (full_tensors) {
+        CU_ASSERT(lora_adapter_find_full(ad, "model.layers.0.mlp.gate.weight") >= 0);
+        CU_ASSERT(lora_adapter_find_full(ad, "model.norm.weight") >= 0);
+    }
     lora_adapter_destroy(&ad);
     sft_destroy(&s);
     fx_close(&f);
 }
 
+static void test_lora_save(void) {
+    run_lora_save(0);
+}
+
+static void test_lora_save_full_tensors(void) {
+    run_lora_save(1);
+}
+
 /* Full-model SFT: the merged directory loads as a model, and at temperature 1 it computes
- * what the trained adapter computed at temperature 1 / logit_scale. */
-static void test_full_merge(void) {
+ * what the trained adapter computed at temperature 1 / logit_scale; with lora.train_norms
+ * and lora.train_router the trained norms and routers are written in place of the base's. */
+static void run_full_merge(int full_tensors) {
     fx_t f;
     fx_open(&f);
+    if (full_tensors) {
+        set(&f, "lora.train_router", "true");
+        set(&f, "lora.train_norms", "true");
+    }
     sft_t *s = fx_sft(&f, 1, 1e-2, 10);
     CU_ASSERT_EQUAL(s->ad->R, 16);
     CU_ASSERT_EQUAL(s->ad->n_entries, s->m->n_modules); /* every projection */
@@ -243,10 +286,30 @@ static void test_full_merge(void) {
     bb.temperature = 1.0f;
     CU_ASSERT_EQUAL_FATAL(model_forward(mm, &bb, b, NULL, 0), 0);
     TU_ASSERT_CLOSE(tu_rel_err_ff(b, a, (size_t)n, 1e-3), 1e-4, "merged vs adapter logprobs");
+    if (full_tensors) {
+        int t = lora_adapter_find_full(s->ad, "model.layers.1.post_attention_layernorm.weight");
+        CU_ASSERT_FATAL(t >= 0);
+        const float *w = s->ad->params + s->ad->tensors[t].offset;
+        CU_ASSERT(w[0] != 1.0f); /* trained away from the initial ones */
+        CU_ASSERT(!memcmp(mm->layers[1].mlp_norm, w, sizeof(float) * (size_t)mm->D));
+        t = lora_adapter_find_full(s->ad, "model.layers.1.mlp.gate.weight");
+        CU_ASSERT_FATAL(t >= 0);
+        CU_ASSERT(mm->layers[1].moe_w.router.dtype == DT_F32);
+        CU_ASSERT(!memcmp(mm->layers[1].moe_w.router.data, s->ad->params + s->ad->tensors[t].offset,
+                          sizeof(float) * (size_t)mm->E * mm->D));
+    }
     free(ids);
     model_destroy(&mm);
     sft_destroy(&s);
     fx_close(&f);
+}
+
+static void test_full_merge(void) {
+    run_full_merge(0);
+}
+
+static void test_full_merge_full_tensors(void) {
+    run_full_merge(1);
 }
 
 /* Training on the eval problems themselves: greedy eval then answers them. */
@@ -325,7 +388,9 @@ int main(void) {
         {"the loss falls on a small batch", test_loss_falls},
         {"prompt tokens are not trained", test_response_only},
         {"LoRA SFT saves a PEFT adapter", test_lora_save},
+        {"LoRA SFT trains and saves routers and norms", test_lora_save_full_tensors},
         {"full SFT merges into a loadable model", test_full_merge},
+        {"full SFT merges trained routers and norms", test_full_merge_full_tensors},
         {"memorised eval problems are answered", test_memorise_eval},
         {"the sft command", test_command},
         CU_TEST_INFO_NULL,

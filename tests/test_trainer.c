@@ -134,6 +134,50 @@ static void test_full_tensors_move(void) {
     lf_close(&f);
 }
 
+/* learner.weight_decay spares the norm vectors: one update with weight decay moves every
+ * trained norm exactly as the same update without it, while the routers and the LoRA A
+ * matrices decay. */
+static void test_norms_no_decay(void) {
+    trainer_t *t[2];
+    lf_t f[2];
+    float *after[2];
+    for (int k = 0; k < 2; k++) {
+        lf_open(&f[k]);
+        lf_set(&f[k], "lora.train_router", "true");
+        lf_set(&f[k], "lora.train_norms", "true");
+        lf_set(&f[k], "learner.minibatches", "1");
+        lf_set(&f[k], "learner.weight_decay", k ? "0.5" : "0");
+        t[k] = lf_trainer(&f[k]);
+        sample_group_t *g[4];
+        make_batch(t[k], g, 0);
+        trainer_metrics_t mt;
+        CU_ASSERT_EQUAL_FATAL(step(t[k], g, 4, &mt), 0);
+        CU_ASSERT_EQUAL(mt.updates, 1);
+        after[k] = copy_params(t[k]);
+        lf_free_groups(g, 4);
+    }
+    const lora_adapter_t *ad = t[1]->adapter;
+    int norms = 0;
+    for (int i = 0; i < ad->n_tensors; i++) {
+        const lora_tensor_t *lt = &ad->tensors[i];
+        int same =
+            memcmp(after[0] + lt->offset, after[1] + lt->offset, sizeof(float) * lt->numel) == 0;
+        int is_norm = i >= ad->n_tensors - ad->n_full && lt->shape[1] == 1;
+        int lora_b = i < 2 * ad->n_entries && i % 2 == 1; /* B starts at 0: nothing to decay */
+        norms += is_norm;
+        if (is_norm != same && !lora_b)
+            tu_report("%s: %s", lt->name, same ? "not decayed" : "decayed");
+        if (!lora_b)
+            CU_ASSERT(is_norm == same);
+    }
+    CU_ASSERT(norms == t[1]->optim.n_nd && norms > 0);
+    for (int k = 0; k < 2; k++) {
+        free(after[k]);
+        trainer_destroy(&t[k]);
+        lf_close(&f[k]);
+    }
+}
+
 static void test_loss_decreases(void) {
     lf_t f;
     lf_open(&f);
@@ -471,6 +515,7 @@ int main(void) {
         {"one step updates the adapter", test_step_updates},
         {"the loss falls on a fixed batch", test_loss_decreases},
         {"trained routers and norms move", test_full_tensors_move},
+        {"no weight decay on the trained norms", test_norms_no_decay},
         {"stale samples are dropped", test_staleness},
         {"flat groups and dynamic sampling", test_flat_groups},
         {"non-finite rewards and forwards skip", test_nonfinite},
