@@ -1,39 +1,15 @@
 /* rng: counter-based Philox4x32-10 (Salmon et al., SC'11). */
 #include "core/rng.h"
+#include "core/rng_hd.h"
 
 #include <math.h>
 
-#define PHILOX_M0 0xD2511F53u
-#define PHILOX_M1 0xCD9E8D57u
-#define PHILOX_W0 0x9E3779B9u
-#define PHILOX_W1 0xBB67AE85u
-
-static inline void mulhilo(uint32_t a, uint32_t b, uint32_t *hi, uint32_t *lo) {
-    uint64_t p = (uint64_t)a * b;
-    *hi = (uint32_t)(p >> 32);
-    *lo = (uint32_t)p;
-}
-
 void philox4x32_10(uint32_t out[4], const uint32_t ctr[4], const uint32_t key[2]) {
-    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3];
-    uint32_t k0 = key[0], k1 = key[1];
-    for (int r = 0; r < 10; r++) {
-        uint32_t hi0, lo0, hi1, lo1;
-        mulhilo(PHILOX_M0, c0, &hi0, &lo0);
-        mulhilo(PHILOX_M1, c2, &hi1, &lo1);
-        uint32_t n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
-        c0 = n0, c1 = n1, c2 = n2, c3 = n3;
-        k0 += PHILOX_W0;
-        k1 += PHILOX_W1;
-    }
-    out[0] = c0, out[1] = c1, out[2] = c2, out[3] = c3;
+    rng_hd_philox(out, ctr, key);
 }
 
 void rng_block(uint32_t out[4], uint64_t seed, uint64_t stream, uint64_t index) {
-    uint32_t ctr[4] = {(uint32_t)index, (uint32_t)(index >> 32), (uint32_t)stream,
-                       (uint32_t)(stream >> 32)};
-    uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
-    philox4x32_10(out, ctr, key);
+    rng_hd_block(out, seed, stream, index);
 }
 
 float rng_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
@@ -64,12 +40,5 @@ void rng_fill_normal(float *out, size_t n, uint64_t seed, uint64_t stream, float
 }
 
 uint64_t rng_stream_id(const char *name, uint64_t a, uint64_t b) {
-    uint64_t h = 1469598103934665603ull;
-    for (const unsigned char *p = (const unsigned char *)name; *p; p++)
-        h = (h ^ *p) * 1099511628211ull;
-    for (int i = 0; i < 8; i++)
-        h = (h ^ ((a >> (8 * i)) & 0xff)) * 1099511628211ull;
-    for (int i = 0; i < 8; i++)
-        h = (h ^ ((b >> (8 * i)) & 0xff)) * 1099511628211ull;
-    return h;
+    return rng_hd_stream_id(name, a, b);
 }

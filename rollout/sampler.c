@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "core/rng.h"
+#include "core/rng_hd.h"
 #include "core/status.h"
 
 typedef sampler_cand_t cand_t;
@@ -55,10 +56,7 @@ void sampler_free(sampler_t *s) {
 
 double sampler_uniform(uint64_t seed, uint64_t request_id, uint64_t sample_index,
                        uint64_t token_index) {
-    uint32_t r[4];
-    rng_block(r, seed, rng_stream_id("rollout.sample", request_id, sample_index), token_index);
-    uint64_t bits = ((uint64_t)(r[0] >> 5) << 26) | (uint64_t)(r[1] >> 6); /* 27 + 26 bits */
-    return (double)bits * (1.0 / 9007199254740992.0);                      /* 2^-53 */
+    return rng_hd_sample_uniform(seed, request_id, sample_index, token_index);
 }
 
 /* Strict "a comes before b": larger weight first, then the lower id. */

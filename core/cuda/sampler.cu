@@ -12,7 +12,7 @@
  * independent of the order the threads add in.
  */
 #include "core/cuda/cuda_common.h"
-#include "core/cuda/rng_hd.h"
+#include "core/rng_hd.h"
 #include "core/cuda/sampler.h"
 
 #define SMP_THREADS 512

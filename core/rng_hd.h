@@ -1,8 +1,8 @@
-/* rng_hd: core/rng.c's Philox4x32-10, its stream ids and the sampler's uniform draw as inline
- * functions that compile as C on the host and as CUDA host/device code, bit for bit the same
- * as rng_block(), rng_stream_id() and sampler_uniform(). */
-#ifndef MOERL_CORE_CUDA_RNG_HD_H
-#define MOERL_CORE_CUDA_RNG_HD_H
+/* rng_hd: the one implementation of Philox4x32-10, the stream ids and the sampler's uniform
+ * draw, as inline functions that compile as C on the host and as CUDA host/device code;
+ * core/rng.c and rollout/sampler.c call them, so the CPU and the GPU draw the same bits. */
+#ifndef MOERL_CORE_RNG_HD_H
+#define MOERL_CORE_RNG_HD_H
 
 #include <stdint.h>
 
