@@ -395,25 +395,6 @@ static inline int it_ctl(it_job_t *j, const char *args) {
     return st == -1 ? -1 : it_exit_code(st);
 }
 
-/* Opens a job of `steps` steps (default sections), starts `moerl run` on it, waits
- * until the learner reached step `at` and pauses the job, so that it cannot finish while
- * the caller checks it. Returns the pid of `moerl run`, or 0 after a failed assertion. */
-static inline pid_t it_start_paused(it_job_t *j, int steps, int at) {
-    it_knobs_t k = it_knobs_default();
-    k.steps = steps;
-    char extra[4096];
-    it_sections(extra, sizeof extra, &k);
-    it_open(j, extra);
-    const char *argv[] = {tu_moerl_exe(), "run", j->config, "--no-status", NULL};
-    pid_t run = it_spawn(j, "run.out", argv);
-    int ok = it_wait_step(j, at, 120000, run);
-    if (!ok)
-        it_dump(j, "run.out");
-    CU_ASSERT_FATAL(ok);
-    CU_ASSERT_EQUAL_FATAL(it_ctl(j, "pause"), 0);
-    return run;
-}
-
 /* The pid `moerl run` logged for a process ("started NAME (pid N)" or "restarted NAME
  * (pid N", the latest), 0 when none. */
 static inline pid_t it_logged_pid(it_job_t *j, const char *name) {
@@ -434,5 +415,42 @@ static inline pid_t it_logged_pid(it_job_t *j, const char *name) {
     free(s);
     return (pid_t)pid;
 }
+
+/* Pauses the job without a race against its end: the rollout workers `pids` (n) are
+ * stopped (SIGSTOP) while `moerl ctl pause` runs, so a short job on a fast machine cannot
+ * train its last steps before the pause lands; they go on once it has (well within the
+ * heartbeats they may miss). Returns the exit code of `moerl ctl pause`. */
+static inline int it_pause_frozen(it_job_t *j, const pid_t *pids, int n) {
+    for (int i = 0; i < n; i++)
+        if (pids[i] > 0)
+            kill(pids[i], SIGSTOP);
+    int rc = it_ctl(j, "pause");
+    for (int i = 0; i < n; i++)
+        if (pids[i] > 0)
+            kill(pids[i], SIGCONT);
+    return rc;
+}
+
+/* Opens a job of `steps` steps (default sections), starts `moerl run` on it, waits
+ * until the learner reached step `at` and pauses the job, so that it cannot finish while
+ * the caller checks it. Returns the pid of `moerl run`, or 0 after a failed assertion. */
+static inline pid_t it_start_paused(it_job_t *j, int steps, int at) {
+    it_knobs_t k = it_knobs_default();
+    k.steps = steps;
+    char extra[4096];
+    it_sections(extra, sizeof extra, &k);
+    it_open(j, extra);
+    const char *argv[] = {tu_moerl_exe(), "run", j->config, "--no-status", NULL};
+    pid_t run = it_spawn(j, "run.out", argv);
+    int ok = it_wait_step(j, at, 120000, run);
+    if (!ok)
+        it_dump(j, "run.out");
+    CU_ASSERT_FATAL(ok);
+    pid_t rollouts[2] = {it_logged_pid(j, "rollout-0"), it_logged_pid(j, "rollout-1")};
+    CU_ASSERT_FATAL(rollouts[0] > 0 && rollouts[1] > 0);
+    CU_ASSERT_EQUAL_FATAL(it_pause_frozen(j, rollouts, 2), 0);
+    return run;
+}
+
 
 #endif

@@ -157,7 +157,7 @@ static void test_late_joiner(void) {
     CU_ASSERT_FATAL(ok);
     /* Pause, and wait until nothing is leased or training: no new version is published
      * while the late worker joins. */
-    CU_ASSERT_EQUAL_FATAL(it_ctl(&j, "pause"), 0);
+    CU_ASSERT_EQUAL_FATAL(it_pause_frozen(&j, &p0, 1), 0);
     double version = -1, end = it_now_ms() + 30000;
     bool quiet = false;
     while (!quiet && it_now_ms() < end) {
