@@ -166,9 +166,9 @@ uint64_t trainer_lora_seed(const moerl_config_t *cfg) {
     return rng_stream_id("lora.init", (uint64_t)cfg->run.seed, 0);
 }
 
-/* Expert parallelism: this rank's shard of the adapter (and of the initial one). */
-/* The expert-parallel adapter shard; the routers and norms trained in full (router,
- * norms) are replicated on every rank like the attention adapters. */
+/* Expert parallelism: this rank's shard of the adapter (and of the initial one); the
+ * routers and norms trained in full are replicated on every rank like the attention
+ * adapters. */
 static int make_shard(trainer_t *t, const lora_config_t *lc, int router, int norms) {
     model_t *m = t->model;
     TRY(ep_shard_new(&t->ep, t->comm, lc, m->modules, m->n_modules, m->n_moe > 0 ? m->E : 0,
@@ -821,17 +821,6 @@ static int train_mb(trainer_t *t, int i0, int i1, const pl_norm_t *norm, pl_metr
     return model_backward(t->model, b->dlogp + b->t0, want_ent ? b->dent + b->t0 : NULL);
 }
 
-/* Sums over the ranks the gradients of the full tensors (routers, norms), replicated on
- * every rank and contiguous at the end of the adapter's buffer. */
-static int allreduce_full(trainer_t *t) {
-    const lora_adapter_t *ad = t->adapter;
-    if (ad->n_full == 0)
-        return MO_OK;
-    size_t off = ad->tensors[ad->n_tensors - ad->n_full].offset, n = ad->n_params - off;
-    float *g = ad->grads + off;
-    return moe_ep_allreduce_grads(t->comm, &g, &n, 1);
-}
-
 /* One optimizer update over the minibatch order[lo..hi). */
 static int update(trainer_t *t, int lo, int hi, pl_metrics_t *tot, trainer_metrics_t *m) {
     trainer_work_t *w = t->w;
@@ -850,7 +839,6 @@ static int update(trainer_t *t, int lo, int hi, pl_metrics_t *tot, trainer_metri
     double sq = 0.0;
     if (t->comm) { /* replicated gradients summed, the norm over every shard */
         TRY(moe_ep_allreduce_replicated(t->comm, t->adapter));
-        TRY(allreduce_full(t));
         TRY(ep_shard_grad_sqsum(t->ep, t->adapter->grads, &sq));
     }
     TRY(optim_step(&t->optim, t->adapter->params, t->adapter->grads, um.loss,

@@ -426,10 +426,15 @@ int moe_ep_allreduce_replicated(comm_t *cm, lora_adapter_t *ad) {
     if (!ad->grads)
         return mo_errorf(MO_EINVAL, "moe_ep: the adapter has no gradient buffer");
     size_t start = 0, end = 0; /* the pending run of replicated floats */
-    for (int i = 0; i <= ad->n_entries; i++) {
+    /* The LoRA entries, then the full tensors (routers, norms: replicated, contiguous at
+     * the end of the buffer) as one more run. */
+    size_t full = ad->n_full > 0 ? ad->tensors[ad->n_tensors - ad->n_full].offset : 0;
+    for (int i = 0; i <= ad->n_entries + 1; i++) {
         const lora_entry_t *en = i < ad->n_entries ? &ad->entries[i] : NULL;
-        int replicated = en && en->kind != LORA_KIND_EXPERT;
-        size_t a = en ? en->off_A : 0, b = en ? en->off_B + (size_t)en->OC * en->R : 0;
+        int is_full = i == ad->n_entries && ad->n_full > 0;
+        int replicated = (en && en->kind != LORA_KIND_EXPERT) || is_full;
+        size_t a = en ? en->off_A : is_full ? full : 0;
+        size_t b = en ? en->off_B + (size_t)en->OC * en->R : is_full ? ad->n_params : 0;
         if (replicated && end > start && a == end) {
             end = b;
             continue;

@@ -133,7 +133,8 @@ void moe_ep_traffic(moe_ep_traffic_t *t, const moe_ep_state_t *st, const moe_cfg
 int moe_ep_allreduce_grads(comm_t *cm, float *const *bufs, const size_t *counts, int n);
 
 /* moe_ep_allreduce_grads over the gradients of every entry of ad that is not a routed
- * expert's (LORA_KIND_EXPERT entries stay on their owner); contiguous entries go in one
+ * expert's (LORA_KIND_EXPERT entries stay on their owner), and over the full tensors
+ * (routers, norms trained in full), replicated on every rank; contiguous runs go in one
  * call. The adapter must hold the same replicated entries, in the same order, on every
  * rank. MO_EINVAL when ad has no gradient buffer. */
 int moe_ep_allreduce_replicated(comm_t *cm, lora_adapter_t *ad);
