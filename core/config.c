@@ -784,6 +784,10 @@ static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_
     if (nops > 3 || strspn(ops, "+-*") != nops || dup)
         report(e, org, key_index("data", "arith_ops"),
                "expected operators from + - * each at most once, got \"%s\"", ops);
+    if (c->run.device == DEV_CUDA)
+        report(e, org, key_index("run", "device"),
+               "cuda runs the GPU kernels only (their checks: ctest -L gpu); the model, the "
+               "rollout engine and the learner run on the CPU in this version: use cpu");
     int kv = key_index("rollout", "kv_cache_tokens");
     if (c->rollout.kv_cache_tokens > 0 && c->rollout.kv_cache_tokens < c->model.max_seq_len)
         report(e, org, blame(org, kv, key_index("model", "max_seq_len")),
@@ -907,7 +911,9 @@ static const char *const doc_intro =
     "- `data.task: jsonl` needs `data.path`;\n"
     "- `data.arith_min_digits` <= `data.arith_max_digits`, and `data.arith_ops` holds each of "
     "`+`, `-`, `*` at most once;\n"
-    "- a non-zero `rollout.kv_cache_tokens` holds at least `model.max_seq_len` tokens.\n";
+    "- a non-zero `rollout.kv_cache_tokens` holds at least `model.max_seq_len` tokens;\n"
+    "- `run.device` is `cpu`: `cuda` is refused until the model, the rollout engine and the "
+    "learner run on the GPU (the CUDA backend's kernels are checked by `ctest -L gpu`).\n";
 
 void config_doc_markdown(FILE *out) {
     moerl_config_t def;

@@ -64,7 +64,9 @@ const cfg_key_t cfg_keys[] = {
     K_INT(run, seed, 0, INT64_MAX, "1234",
           "Master seed; every random stream (init, sampling, shuffling) derives from it."),
     K_INT(run, threads, 0, 4096, "0", "CPU threads per process; 0 uses every core."),
-    K_ENUM(run, device, device_names, "cpu", "Device for the learner and rollout compute."),
+    K_ENUM(run, device, device_names, "cpu",
+           "Device for the learner and rollout compute; only cpu runs a job today (see the "
+           "checks across keys)."),
     K_BOOL(run, deterministic, "false",
            "Bit-reproducible runs: fixed reduction orders and one CPU thread per reduction "
            "(slower)."),

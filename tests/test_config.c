@@ -246,6 +246,9 @@ static const error_case_t error_cases[] = {
     {"empty non-empty string",
      "reward:\n  function: \"\"\n",
      {"cases/x.yaml:2: reward.function: expected a non-empty string, got \"\""}},
+    {"cuda device",
+     "run:\n  seed: 3\n  device: cuda\n",
+     {"cases/x.yaml:3: run.device: cuda runs the GPU kernels only", "use cpu"}},
     {"null number",
      "learner:\n  lr:\n",
      {"cases/x.yaml:2: learner.lr: expected a number in (0, 1], got null"}},
@@ -336,6 +339,8 @@ static void test_set(void) {
     CU_ASSERT(c.run.deterministic);
     CU_ASSERT_EQUAL(config_set(&c, "run.device", "cuda"), 0);
     CU_ASSERT_EQUAL(c.run.device, DEV_CUDA);
+    CU_ASSERT_EQUAL(config_validate(&c), MO_ECONFIG); /* refused across keys, see error cases */
+    CU_ASSERT_EQUAL(config_set(&c, "run.device", "cpu"), 0);
     CU_ASSERT_EQUAL(config_set(&c, "learner.loss_agg", "seq-mean-token-sum"), 0);
     CU_ASSERT_EQUAL(c.learner.loss_agg, CFG_AGG_SEQ_MEAN_TOKEN_SUM);
     CU_ASSERT_EQUAL(config_set(&c, "transport.max_msg_bytes", "1099511627776"), 0);
