@@ -3,7 +3,10 @@
  * and a large cuBLAS bf16 matrix product, plus f32 SGEMM for f32 products),
  * then each kernel at a training-sized shape: median of timed runs after
  * warm-up, timed with CUDA events on the default stream, on random data. The
- * table printed last gives each kernel's rate against its ceiling.
+ * table printed last gives each kernel's rate against its ceiling. The
+ * mixture-of-experts rows (core/cuda/moe_cuda.h) run a Qwen3-30B-A3B-like
+ * expert layer (D 2048, F 768, E 128, K 8, T 4096 tokens on uniform random
+ * routing) and also give tokens per second.
  * Exits 77 (skipped) without CUDA support or without a device. */
 #include <stdio.h>
 
@@ -17,13 +20,14 @@
 
 #include "core/backend.h"
 #include "core/cuda/backend_cuda.h"
+#include "core/cuda/moe_cuda.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "core/status.h"
 
 #define WARM 3
 #define REPS 10
-#define MAX_ROWS 32
+#define MAX_ROWS 48
 
 static const backend_t *g_be;
 
@@ -34,6 +38,7 @@ typedef struct row {
     int is_flops;   /* 1: work is flops, 0: bytes */
     double ceiling; /* the matching ceiling: flop/s or byte/s */
     const char *ceil_name;
+    char note[24]; /* tokens per second where it applies */
 } row_t;
 
 static row_t g_rows[MAX_ROWS];
@@ -140,6 +145,7 @@ static void add_row(const char *name, const char *shape, double ms, double work,
     snprintf(r->shape, sizeof r->shape, "%s", shape);
     r->ms = ms, r->work = work, r->is_flops = is_flops;
     r->ceiling = ceiling, r->ceil_name = ceil_name;
+    r->note[0] = '\0';
     double rate = work / (ms * 1e-3);
     printf("  %-28s %-34s %9.3f ms  %8.1f %s\n", name, shape, ms,
            is_flops ? rate / 1e12 : rate / 1e9, is_flops ? "TFLOP/s" : "GB/s");
@@ -430,9 +436,129 @@ static void bench_small_ops(void) {
     g_be->free(g_be, e.x), g_be->free(g_be, e.out), g_be->free(g_be, e.idx);
 }
 
+/* ---- mixture-of-experts blocks ---- */
+
+enum { MOE_PLAN, MOE_DISPATCH, MOE_COMBINE, MOE_GMM, MOE_GMM_DX, MOE_GMM_DW, MOE_MLP, MOE_MLP_BWD };
+
+typedef struct {
+    int op, T, D, F, E, K, S;
+    dtype_t dt; /* weights of MOE_GMM */
+    moe_cuda_plan_t plan;
+    int32_t *idx;             /* (T, K) */
+    float *x, *xg, *out, *wt; /* (T, D), (S, D), (T, D), (T, K) */
+    float *h, *dh, *ye, *dxe; /* (S, F), (S, F), (S, D), (S, D) */
+    void *w_f32, *w_bf16;     /* tables (E) of (F, D) gate weights */
+    void *dw;                 /* table (E) of (F, D) f32 gradients */
+    moe_cuda_experts_t ex;    /* bf16 gate, up, down */
+    moe_cuda_acts_t acts;
+    float *scratch;
+} moe_ctx_t;
+
+static void run_moe(void *p) {
+    moe_ctx_t *m = p;
+    const int32_t *off = m->plan.offsets;
+    int rc = 0;
+    switch (m->op) {
+    case MOE_PLAN: rc = moe_cuda_plan_build(&m->plan, m->idx); break;
+    case MOE_DISPATCH: rc = moe_cuda_dispatch_forward(m->xg, m->x, &m->plan, m->D); break;
+    case MOE_COMBINE: rc = moe_cuda_combine_forward(m->out, m->xg, m->wt, &m->plan, m->D); break;
+    case MOE_GMM:
+        rc = moe_cuda_gmm_forward(m->h, m->xg, m->dt == DT_F32 ? m->w_f32 : m->w_bf16, m->dt, off,
+                                  m->E, m->S, m->D, m->F, 1.0f, 0);
+        break;
+    case MOE_GMM_DX:
+        rc = moe_cuda_gmm_backward_x(m->dxe, m->dh, m->w_bf16, DT_BF16, off, m->E, m->S, m->D, m->F,
+                                     1.0f, 0);
+        break;
+    case MOE_GMM_DW:
+        rc = moe_cuda_gmm_backward_w(m->dw, m->dh, m->xg, off, m->E, m->S, m->D, m->F, 1.0f);
+        break;
+    case MOE_MLP:
+        rc = moe_cuda_experts_forward(m->ye, &m->acts, m->xg, off, m->E, m->S, &m->ex, m->D, m->F);
+        break;
+    default:
+        rc = moe_cuda_experts_backward(m->dxe, m->ye, m->xg, &m->acts, off, m->E, m->S, &m->ex,
+                                       m->D, m->F, m->scratch);
+    }
+    if (rc < 0)
+        die("moe");
+}
+
+/* A device table of n pointers base + i * stride bytes. */
+static void *dtable(void *base, int n, size_t stride) {
+    void **h = malloc((size_t)n * sizeof(void *));
+    for (int i = 0; i < n; i++)
+        h[i] = (char *)base + (size_t)i * stride;
+    void *d = dalloc((size_t)n * sizeof(void *));
+    if (g_be->copy(g_be, d, DEV_CUDA, h, DEV_CPU, (size_t)n * sizeof(void *)) < 0)
+        die("upload table");
+    free(h);
+    return d;
+}
+
+static void moe_row(moe_ctx_t *m, int op, const char *name, double work, int is_flops,
+                    double ceiling, const char *ceil_name) {
+    char shape[64];
+    snprintf(shape, sizeof shape, "T=%d D=%d F=%d E=%d K=%d", m->T, m->D, m->F, m->E, m->K);
+    m->op = op;
+    double ms = time_ms(run_moe, m);
+    add_row(name, shape, ms, work, is_flops, ceiling, ceil_name);
+    snprintf(g_rows[g_nrows - 1].note, sizeof g_rows[g_nrows - 1].note, "%.2f Mtok/s",
+             m->T / (ms * 1e-3) / 1e6);
+}
+
+static void bench_moe(int T, int D, int F, int E, int K) {
+    moe_ctx_t m;
+    memset(&m, 0, sizeof m);
+    m.T = T, m.D = D, m.F = F, m.E = E, m.K = K, m.S = T * K;
+    size_t S = (size_t)m.S, fd = (size_t)F * D;
+    if (moe_cuda_plan_alloc(&m.plan, T, K, E) < 0)
+        die("moe plan");
+    m.idx = dids(S, 30, E);
+    m.x = drand((size_t)T * D, DT_F32, 31, -1, 1);
+    m.wt = drand(S, DT_F32, 32, 0, 1);
+    m.xg = dalloc(S * D * 4), m.out = dalloc((size_t)T * D * 4), m.ye = dalloc(S * D * 4);
+    m.dxe = dalloc(S * D * 4), m.h = dalloc(S * F * 4);
+    m.dh = drand(S * F, DT_F32, 33, -1, 1);
+    void *wf = drand((size_t)E * fd, DT_F32, 34, -0.05f, 0.05f);
+    void *wb[3], *dwb = dalloc((size_t)E * fd * 4);
+    for (int i = 0; i < 3; i++)
+        wb[i] = drand((size_t)E * fd, DT_BF16, 35 + (uint64_t)i, -0.05f, 0.05f);
+    if (g_be->memset_zero(g_be, dwb, (size_t)E * fd * 4) < 0)
+        die("memset");
+    m.w_f32 = dtable(wf, E, fd * 4), m.w_bf16 = dtable(wb[0], E, fd * 2);
+    m.dw = dtable(dwb, E, fd * 4);
+    m.ex.dtype = DT_BF16, m.ex.gate = m.w_bf16;
+    void *tu = dtable(wb[1], E, fd * 2), *td = dtable(wb[2], E, fd * 2);
+    m.ex.up = tu, m.ex.down = td;
+    m.acts.g = dalloc(S * F * 4), m.acts.u = dalloc(S * F * 4), m.acts.h = dalloc(S * F * 4);
+    m.scratch = dalloc(moe_cuda_experts_backward_scratch_floats(&m.ex, m.S, F) * 4);
+
+    double gemm = 2.0 * (double)S * D * F; /* one expert projection over all rows */
+    moe_row(&m, MOE_PLAN, "moe dispatch plan", 3.0 * S * 4, 0, g_copy_bw, "copy");
+    moe_row(&m, MOE_DISPATCH, "moe dispatch (gather)", ((double)T + S) * D * 4, 0, g_copy_bw,
+            "copy");
+    moe_row(&m, MOE_COMBINE, "moe combine", ((double)T + S) * D * 4, 0, g_copy_bw, "copy");
+    m.dt = DT_BF16;
+    moe_row(&m, MOE_GMM, "moe grouped mm bf16 w", gemm, 1, g_bf16_peak, "bf16 GEMM");
+    m.dt = DT_F32;
+    moe_row(&m, MOE_GMM, "moe grouped mm f32 w", gemm, 1, g_f32_peak, "f32 GEMM");
+    moe_row(&m, MOE_GMM_DX, "moe grouped mm dx bf16 w", gemm, 1, g_bf16_peak, "bf16 GEMM");
+    moe_row(&m, MOE_GMM_DW, "moe grouped mm dw f32", gemm, 1, g_f32_peak, "f32 GEMM");
+    moe_row(&m, MOE_MLP, "moe experts fwd bf16 w", 3 * gemm, 1, g_bf16_peak, "bf16 GEMM");
+    moe_row(&m, MOE_MLP_BWD, "moe experts bwd dx bf16 w", 3 * gemm, 1, g_bf16_peak, "bf16 GEMM");
+
+    moe_cuda_plan_free(&m.plan);
+    void *bufs[] = {m.idx, m.x, m.wt,  m.xg,     m.out,    m.ye,     m.dxe,    m.h,
+                    m.dh,  wf,  wb[0], wb[1],    wb[2],    dwb,      m.w_f32,  m.w_bf16,
+                    m.dw,  tu,  td,    m.acts.g, m.acts.u, m.acts.h, m.scratch};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        g_be->free(g_be, bufs[i]);
+}
+
 static void print_table(void) {
-    printf("\n%-28s %-34s %10s %12s %8s  %s\n", "kernel", "shape", "median ms", "rate", "of ceil",
-           "ceiling");
+    printf("\n%-28s %-34s %10s %12s %8s  %-10s %s\n", "kernel", "shape", "median ms", "rate",
+           "of ceil", "ceiling", "tokens");
     for (int i = 0; i < g_nrows; i++) {
         row_t *r = &g_rows[i];
         double rate = r->work / (r->ms * 1e-3);
@@ -441,8 +567,8 @@ static void print_table(void) {
             snprintf(rs, sizeof rs, "%.1f TF/s", rate / 1e12);
         else
             snprintf(rs, sizeof rs, "%.0f GB/s", rate / 1e9);
-        printf("%-28s %-34s %10.3f %12s %7.0f%%  %s\n", r->name, r->shape, r->ms, rs,
-               100.0 * rate / r->ceiling, r->ceil_name);
+        printf("%-28s %-34s %10.3f %12s %7.0f%%  %-10s %s\n", r->name, r->shape, r->ms, rs,
+               100.0 * rate / r->ceiling, r->ceil_name, r->note);
     }
 }
 
@@ -474,6 +600,7 @@ int main(void) {
     bench_attention(2, 4096, 32, 8, 128);
     bench_logprob(4096, 151936);
     bench_small_ops();
+    bench_moe(4096, 2048, 768, 128, 8);
     cuda_pool_stats_t ps;
     backend_cuda_pool_stats(&ps);
     printf("pool: %.2f GiB reserved, %llu cudaMalloc calls for %llu allocations\n",

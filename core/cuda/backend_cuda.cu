@@ -105,6 +105,7 @@ static const char *flag_message(int code) {
     case CUDA_FLAG_CU_SEQLENS:
         return "attention: cu_seqlens decreases (every sequence length must be >= 0)";
     case CUDA_FLAG_TOPK_INDEX: return "topk_backward: an index is outside [0, C)";
+    case CUDA_FLAG_MOE_EXPERT: return "moe dispatch plan: an expert index is outside [0, E)";
     default: return "a kernel reported an unknown error code";
     }
 }

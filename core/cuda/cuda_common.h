@@ -73,6 +73,7 @@ enum {
     CUDA_FLAG_LOGPROB_TARGET = 2, /* logprob: a target outside [0, V) */
     CUDA_FLAG_CU_SEQLENS = 3,     /* attention: cu_seqlens decreases */
     CUDA_FLAG_TOPK_INDEX = 4,     /* topk_backward: an index outside [0, C) */
+    CUDA_FLAG_MOE_EXPERT = 5,     /* moe dispatch plan: an expert index outside [0, E) */
 };
 
 /* Sets the flag from a kernel (a plain store: any one of several concurrent
