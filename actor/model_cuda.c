@@ -1,0 +1,881 @@
+/* model_cuda: the policy model's scoring forward on the CUDA backend. */
+#include "actor/model_cuda.h"
+
+#ifdef MOERL_HAVE_CUDA
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/backend.h"
+#include "core/cuda/model_glue.h"
+#include "core/cuda/moe_cuda.h"
+#include "core/dtype.h"
+#include "core/status.h"
+
+/* Byte alignment of every buffer carved from a pool block. */
+#define MC_ALIGN 256
+
+/* One decoder layer's weights on the device. Adapter tables have A == NULL where the
+ * projection has no adapter. */
+typedef struct mc_layer {
+    int moe;                           /* 1: routed experts, 0: dense MLP */
+    int moe_index;                     /* index among the MoE layers, -1 when dense */
+    int window;                        /* attention window, 0: full causal */
+    const float *attn_norm, *mlp_norm; /* (D) */
+    const float *q_norm, *k_norm;      /* (Dh), or NULL */
+    wview_t wq, wk, wv;                /* (H Dh, D), (Hkv Dh, D), (Hkv Dh, D) */
+    wview_t wo;                        /* (D, H Dh) */
+    moe_cuda_lora_t lq, lk, lv, lo;    /* one-entry tables */
+    wview_t router;                    /* (E, D) f32 */
+    int norm_topk;                     /* router_cfg_t.norm_topk_prob */
+    float route_scale;                 /* router_cfg_t.routed_scaling_factor */
+    moe_cuda_experts_t ex;             /* E routed experts, or the dense MLP as one */
+    int n_ex;                          /* E, or 1 for a dense layer */
+    int F;                             /* hidden width of one expert (or the dense MLP) */
+} mc_layer_t;
+
+/* The per-call device buffers, carved from mc->smem. */
+typedef struct mc_scratch {
+    int32_t *tok, *pos, *tgt;  /* (T) */
+    int32_t *cu;               /* (B + 1) */
+    int32_t *off1;             /* (2) {0, T}: the offsets of a one-expert group */
+    int32_t *route;            /* (M, T, K) experts of each MoE layer's tokens */
+    float *x;                  /* (T, D) residual stream */
+    float *h1;                 /* (T, D) x + attention */
+    float *ln;                 /* (T, D) rmsnorm output */
+    float *o;                  /* (T, D) attention output projection, then the ffn output */
+    float *q, *qr, *att;       /* (T, H Dh) */
+    float *k, *kr, *v;         /* (T, Hkv Dh) */
+    float *lse_att;            /* (T, H) */
+    float *rstd;               /* (T H) */
+    float *xa;                 /* (T, R) adapter inputs of the attention projections */
+    float *rlogits, *probs;    /* (T, E) */
+    float *val, *wt;           /* (T, K) */
+    float *xg, *yg;            /* (rows_ex, D) rows grouped by expert */
+    float *g, *u, *h;          /* (rows_ex, F) */
+    float *xa_g, *xa_u, *xa_d; /* (rows_ex, R) */
+    float *hf;                 /* (T, D) final norm */
+    float *lse, *logp, *ent;   /* (T) */
+    float *logits;             /* (rows, V) one chunk of logits */
+} mc_scratch_t;
+
+struct model_cuda {
+    const model_t *m;
+    const backend_t *be;
+    int L, D, H, Hkv, Dh, E, K, V;
+    int R;                    /* adapter rank, 0 without an adapter */
+    const lora_adapter_t *ad; /* the adapter uploaded, or NULL */
+    float *dparams;           /* (ad->n_params) its parameters on the device */
+    int Fmax;                 /* the widest expert or dense MLP */
+    int n_moe;                /* MoE layers */
+    int dense;                /* 1 when some layer is dense */
+    wview_t embed, lm_head;   /* (V, D) */
+    const float *final_norm;  /* (D) */
+    const float *inv_freq;    /* (Dh / 2) */
+    mc_layer_t *layers;       /* (L) */
+    void *wmem;               /* the pool block of weights and tables */
+    void *smem;               /* the pool block of scratch */
+    size_t scap;              /* its bytes */
+    moe_cuda_plan_t plan;     /* for plan_T tokens */
+    int plan_T;
+    int replay; /* 1: this call's batch replays its routing */
+    mc_scratch_t s;
+};
+
+/* ------------------------------------------------------------------------ */
+/* What the device path covers.                                              */
+
+static int dtype_ok(const wview_t *w) {
+    return (w->dtype == DT_F32 || w->dtype == DT_BF16) && !w->scale && w->data;
+}
+
+static int refuse(const model_t *m, const char *feature) {
+    return mo_errorf(MO_ECONFIG, "model_cuda: %s (%s) is not supported by the CUDA forward",
+                     feature, m->path ? m->path : "model");
+}
+
+/* what: the weight's name; l: its layer, or -1 outside the layers. */
+static int check_weight(const model_t *m, const wview_t *w, const char *what, int l) {
+    if (dtype_ok(w))
+        return MO_OK;
+    char where[64] = "";
+    if (l >= 0)
+        snprintf(where, sizeof where, "layer %d ", l);
+    if (!w->data)
+        return mo_errorf(MO_ECONFIG,
+                         "model_cuda: %s%s has no weights on this rank: expert parallelism is "
+                         "not supported by the CUDA forward (%s)",
+                         where, what, m->path ? m->path : "model");
+    return mo_errorf(MO_ECONFIG,
+                     "model_cuda: %s%s is %s%s: only f32 and bf16 weights are supported by the "
+                     "CUDA forward (%s)",
+                     where, what, dtype_name(w->dtype), w->scale ? " with block scales (fp8)" : "",
+                     m->path ? m->path : "model");
+}
+
+static int check_attention(const model_t *m, const model_layer_t *ly, int l) {
+    TRY(check_weight(m, &ly->wq, "q_proj", l));
+    TRY(check_weight(m, &ly->wk, "k_proj", l));
+    TRY(check_weight(m, &ly->wv, "v_proj", l));
+    return check_weight(m, &ly->wo, "o_proj", l);
+}
+
+static int check_moe(const model_t *m, const model_layer_t *ly, int l) {
+    const router_cfg_t *rc = &ly->moe_cfg.router;
+    if (rc->kind == ROUTER_SIGMOID_GROUPED)
+        return mo_errorf(MO_ECONFIG,
+                         "model_cuda: layer %d routes with sigmoid scores and group limits "
+                         "(sigmoid_grouped router), which is not supported by the CUDA forward "
+                         "(softmax top-k only) (%s)",
+                         l, m->path ? m->path : "model");
+    if (rc->kind != ROUTER_SOFTMAX_TOPK || rc->n_group > 1)
+        return mo_errorf(MO_ECONFIG,
+                         "model_cuda: layer %d uses a group-limited router, which is not "
+                         "supported by the CUDA forward (softmax top-k only) (%s)",
+                         l, m->path ? m->path : "model");
+    if (rc->e_score_correction_bias || ly->e_bias)
+        return refuse(m, "e_score_correction_bias");
+    if (ly->moe_cfg.n_shared > 0)
+        return mo_errorf(MO_ECONFIG,
+                         "model_cuda: layer %d has %d shared experts, which are not supported by "
+                         "the CUDA forward (%s)",
+                         l, ly->moe_cfg.n_shared, m->path ? m->path : "model");
+    if (rc->E != m->E || rc->K != m->K || ly->moe_cfg.D != m->D)
+        return mo_errorf(MO_ECONFIG, "model_cuda: layer %d has E=%d K=%d D=%d, the model %d %d %d",
+                         l, rc->E, rc->K, ly->moe_cfg.D, m->E, m->K, m->D);
+    TRY(check_weight(m, &ly->moe_w.router, "router", l));
+    dtype_t dt = ly->moe_w.gate[0].dtype;
+    for (int e = 0; e < m->E; e++) {
+        TRY(check_weight(m, &ly->moe_w.gate[e], "expert gate_proj", l));
+        TRY(check_weight(m, &ly->moe_w.up[e], "expert up_proj", l));
+        TRY(check_weight(m, &ly->moe_w.down[e], "expert down_proj", l));
+        if (ly->moe_w.gate[e].dtype != dt || ly->moe_w.up[e].dtype != dt ||
+            ly->moe_w.down[e].dtype != dt)
+            return refuse(m, "experts of mixed dtypes");
+    }
+    return MO_OK;
+}
+
+static int check_dense(const model_t *m, const model_layer_t *ly, int l) {
+    TRY(check_weight(m, &ly->dense.gate, "mlp gate_proj", l));
+    TRY(check_weight(m, &ly->dense.up, "mlp up_proj", l));
+    TRY(check_weight(m, &ly->dense.down, "mlp down_proj", l));
+    if (ly->dense.up.dtype != ly->dense.gate.dtype || ly->dense.down.dtype != ly->dense.gate.dtype)
+        return refuse(m, "a dense MLP of mixed dtypes");
+    return MO_OK;
+}
+
+static int check_supported(const model_t *m) {
+    if (m->mla)
+        return refuse(m, "multi-head latent attention (MLA, DeepSeek-V3 / Kimi K2)");
+    if (m->comm && comm_size(m->comm) > 1)
+        return refuse(m, "expert parallelism (model_set_comm)");
+    if (m->adapter && m->adapter->n_full > 0)
+        return refuse(m, "an adapter with trainable full weights (model_adapter_add_full)");
+    if (!dtype_ok(&m->embed))
+        return check_weight(m, &m->embed, "embed_tokens", -1);
+    if (!dtype_ok(&m->lm_head))
+        return check_weight(m, &m->lm_head, "lm_head", -1);
+    if (m->Dh % 2 != 0)
+        return mo_errorf(MO_ECONFIG, "model_cuda: head_dim %d must be even for RoPE", m->Dh);
+    for (int l = 0; l < m->L; l++) {
+        const model_layer_t *ly = &m->layers[l];
+        TRY(check_attention(m, ly, l));
+        TRY(ly->moe ? check_moe(m, ly, l) : check_dense(m, ly, l));
+    }
+    return MO_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Upload: one layout function run twice, first to size the pool block, then to fill it. */
+
+typedef struct up {
+    const backend_t *be;
+    char *base; /* NULL: sizing pass */
+    size_t off;
+    const void **tab;         /* (E) host staging for pointer tables */
+    const lora_adapter_t *ad; /* the bound adapter, or NULL */
+    const float *dparams;     /* (ad->n_params) its parameters on the device (fill pass) */
+} up_t;
+
+static size_t align_up(size_t n) {
+    return (n + MC_ALIGN - 1) / MC_ALIGN * MC_ALIGN;
+}
+
+/* *dst = the device copy of bytes of host memory (NULL in the sizing pass). */
+static int put(up_t *u, const void **dst, const void *host, size_t bytes) {
+    size_t o = align_up(u->off);
+    u->off = o + bytes;
+    *dst = NULL;
+    if (!u->base)
+        return MO_OK;
+    *dst = u->base + o;
+    if (bytes > 0)
+        TRY(u->be->copy(u->be, u->base + o, DEV_CUDA, host, DEV_CPU, bytes));
+    return MO_OK;
+}
+
+static int put_f(up_t *u, const float **dst, const float *host, size_t n) {
+    const void *d;
+    TRY(put(u, &d, host, n * sizeof(float)));
+    *dst = d;
+    return MO_OK;
+}
+
+/* A matrix (rows, cols) in its stored dtype. */
+static int put_w(up_t *u, wview_t *dst, const wview_t *src, size_t rows, size_t cols) {
+    const void *d;
+    TRY(put(u, &d, src->data, rows * cols * dtype_size(src->dtype)));
+    *dst = wview_of(d, src->dtype);
+    return MO_OK;
+}
+
+/* A matrix (rows, cols) converted to f32 (exact from bf16). */
+static int put_w_f32(up_t *u, wview_t *dst, const wview_t *src, size_t rows, size_t cols) {
+    size_t n = rows * cols;
+    const float *d = NULL;
+    if (!u->base || src->dtype == DT_F32) {
+        TRY(put_f(u, &d, src->dtype == DT_F32 ? src->data : NULL, n));
+    } else {
+        float *h = malloc(n * sizeof(float));
+        if (!h)
+            return mo_errorf(MO_ENOMEM, "model_cuda: %zu bytes to convert the router",
+                             n * sizeof(float));
+        convert_to_f32(h, src->data, src->dtype, n);
+        int rc = put_f(u, &d, h, n);
+        free(h);
+        TRY(rc);
+    }
+    *dst = wview_f32(d);
+    return MO_OK;
+}
+
+/* The device table of n pointers u->tab[0 .. n-1]. */
+static int put_tab(up_t *u, const void *const **dst, int n) {
+    const void *d;
+    TRY(put(u, &d, u->tab, sizeof(void *) * (size_t)n));
+    *dst = d;
+    return MO_OK;
+}
+
+/* The device address of the adapter's parameters at host address x (an A or B of one of its
+ * pairs): the same offset into u->dparams. NULL in the sizing pass. */
+static int dparam(up_t *u, const void **dst, const float *x, size_t n) {
+    const float *lo = u->ad->params, *hi = lo + u->ad->n_params;
+    if (x < lo || x + n > hi)
+        return mo_errorf(MO_EINVAL, "model_cuda: an adapter pair lies outside its parameters");
+    *dst = u->dparams ? (const void *)(u->dparams + (x - lo)) : NULL;
+    return MO_OK;
+}
+
+/* The adapter tables of one projection (OC, C) for n experts from pairs p (n, entries may
+ * be NULL); l->A stays NULL when no entry has an adapter. */
+static int put_lora(up_t *u, moe_cuda_lora_t *l, const lora_pair_t *const *p, int n, int C,
+                    int OC) {
+    memset(l, 0, sizeof *l);
+    int any = 0;
+    for (int e = 0; e < n; e++)
+        if (p[e]) {
+            any = 1;
+            l->R = p[e]->R;
+            l->scale = p[e]->scale;
+        }
+    if (!any)
+        return MO_OK;
+    const void **A = malloc(sizeof(void *) * 2 * (size_t)n);
+    if (!A)
+        return mo_errorf(MO_ENOMEM, "model_cuda: adapter tables");
+    const void **B = A + n;
+    int rc = MO_OK;
+    for (int e = 0; e < n && rc == MO_OK; e++) {
+        A[e] = B[e] = NULL;
+        if (!p[e])
+            continue;
+        rc = dparam(u, &A[e], p[e]->A, (size_t)l->R * C);
+        if (rc == MO_OK)
+            rc = dparam(u, &B[e], p[e]->B, (size_t)OC * l->R);
+    }
+    const void *const *ta = NULL, *const *tb = NULL;
+    if (rc == MO_OK) {
+        memcpy(u->tab, A, sizeof(void *) * (size_t)n);
+        rc = put_tab(u, &ta, n);
+    }
+    if (rc == MO_OK) {
+        memcpy(u->tab, B, sizeof(void *) * (size_t)n);
+        rc = put_tab(u, &tb, n);
+    }
+    free(A);
+    TRY(rc);
+    /* In the sizing pass the tables are NULL: mark the adapter present all the same. */
+    l->A = ta ? (const float *const *)ta : (const float *const *)u->tab;
+    l->B = (const float *const *)tb;
+    return MO_OK;
+}
+
+static int put_attention(up_t *u, const model_t *m, mc_layer_t *d, const model_layer_t *ly) {
+    size_t D = (size_t)m->D, qd = (size_t)m->H * m->Dh, kvd = (size_t)m->Hkv * m->Dh;
+    TRY(put_f(u, &d->attn_norm, ly->attn_norm, D));
+    TRY(put_f(u, &d->mlp_norm, ly->mlp_norm, D));
+    d->q_norm = d->k_norm = NULL;
+    if (ly->q_norm)
+        TRY(put_f(u, &d->q_norm, ly->q_norm, (size_t)m->Dh));
+    if (ly->k_norm)
+        TRY(put_f(u, &d->k_norm, ly->k_norm, (size_t)m->Dh));
+    TRY(put_w(u, &d->wq, &ly->wq, qd, D));
+    TRY(put_w(u, &d->wk, &ly->wk, kvd, D));
+    TRY(put_w(u, &d->wv, &ly->wv, kvd, D));
+    TRY(put_w(u, &d->wo, &ly->wo, D, qd));
+    TRY(put_lora(u, &d->lq, &ly->lora_q, 1, (int)D, (int)qd));
+    TRY(put_lora(u, &d->lk, &ly->lora_k, 1, (int)D, (int)kvd));
+    TRY(put_lora(u, &d->lv, &ly->lora_v, 1, (int)D, (int)kvd));
+    return put_lora(u, &d->lo, &ly->lora_o, 1, (int)qd, (int)D);
+}
+
+/* The device table of one projection of n experts: w[e] (rows, cols). */
+static int put_expert_mats(up_t *u, const void *const **dst, const wview_t *w, int n, size_t rows,
+                           size_t cols) {
+    for (int e = 0; e < n; e++) {
+        wview_t d;
+        TRY(put_w(u, &d, &w[e], rows, cols));
+        u->tab[e] = d.data;
+    }
+    return put_tab(u, dst, n);
+}
+
+static int put_ffn(up_t *u, const model_t *m, mc_layer_t *d, const model_layer_t *ly) {
+    int D = m->D;
+    const wview_t *gate, *up, *down;
+    const lora_pair_t *const *lg = NULL, *const *lu = NULL, *const *ld = NULL;
+    const lora_pair_t *none[1] = {NULL};
+    if (ly->moe) {
+        d->n_ex = m->E;
+        d->F = ly->moe_cfg.F;
+        gate = ly->moe_w.gate, up = ly->moe_w.up, down = ly->moe_w.down;
+        lg = ly->moe_w.lora_gate, lu = ly->moe_w.lora_up, ld = ly->moe_w.lora_down;
+        d->norm_topk = ly->moe_cfg.router.norm_topk_prob;
+        d->route_scale = ly->moe_cfg.router.routed_scaling_factor;
+        TRY(put_w_f32(u, &d->router, &ly->moe_w.router, (size_t)m->E, (size_t)D));
+    } else {
+        d->n_ex = 1;
+        d->F = m->cfg.intermediate_size;
+        gate = &ly->dense.gate, up = &ly->dense.up, down = &ly->dense.down;
+        lg = &ly->dense.lora_gate, lu = &ly->dense.lora_up, ld = &ly->dense.lora_down;
+    }
+    int n = d->n_ex, F = d->F;
+    d->ex.dtype = gate[0].dtype;
+    TRY(put_expert_mats(u, &d->ex.gate, gate, n, (size_t)F, (size_t)D));
+    TRY(put_expert_mats(u, &d->ex.up, up, n, (size_t)F, (size_t)D));
+    TRY(put_expert_mats(u, &d->ex.down, down, n, (size_t)D, (size_t)F));
+    memset(&d->ex.lora_gate, 0, sizeof d->ex.lora_gate);
+    memset(&d->ex.lora_up, 0, sizeof d->ex.lora_up);
+    memset(&d->ex.lora_down, 0, sizeof d->ex.lora_down);
+    if (n == 1 || lg)
+        TRY(put_lora(u, &d->ex.lora_gate, lg ? lg : none, n, D, F));
+    if (n == 1 || lu)
+        TRY(put_lora(u, &d->ex.lora_up, lu ? lu : none, n, D, F));
+    if (n == 1 || ld)
+        TRY(put_lora(u, &d->ex.lora_down, ld ? ld : none, n, F, D));
+    return MO_OK;
+}
+
+static int layout(model_cuda_t *mc, up_t *u) {
+    const model_t *m = mc->m;
+    size_t V = (size_t)m->V, D = (size_t)m->D;
+    u->ad = m->adapter;
+    if (u->ad) {
+        TRY(put_f(u, &u->dparams, u->ad->params, u->ad->n_params));
+        mc->ad = u->ad;
+        mc->dparams = (float *)u->dparams;
+    }
+    TRY(put_w(u, &mc->embed, &m->embed, V, D));
+    if (m->lm_head.data == m->embed.data && m->lm_head.dtype == m->embed.dtype)
+        mc->lm_head = mc->embed; /* tied */
+    else
+        TRY(put_w(u, &mc->lm_head, &m->lm_head, V, D));
+    TRY(put_f(u, &mc->final_norm, m->final_norm, D));
+    TRY(put_f(u, &mc->inv_freq, m->inv_freq, (size_t)m->Dh / 2));
+    for (int l = 0; l < m->L; l++) {
+        mc_layer_t *d = &mc->layers[l];
+        d->moe = m->layers[l].moe;
+        d->moe_index = m->layers[l].moe_index;
+        d->window = m->layers[l].window;
+        TRY(put_attention(u, m, d, &m->layers[l]));
+        TRY(put_ffn(u, m, d, &m->layers[l]));
+    }
+    return MO_OK;
+}
+
+static int upload(model_cuda_t *mc) {
+    up_t u = {mc->be, NULL, 0, NULL, NULL, NULL};
+    int n = mc->E > 1 ? mc->E : 1;
+    u.tab = calloc((size_t)n, sizeof(void *));
+    if (!u.tab)
+        return mo_errorf(MO_ENOMEM, "model_cuda: pointer tables");
+    int rc = layout(mc, &u);
+    if (rc == MO_OK) {
+        void *p = NULL;
+        rc = mc->be->alloc(mc->be, &p, u.off > 0 ? u.off : 1);
+        mc->wmem = p;
+        u.base = p;
+        u.off = 0;
+        u.dparams = NULL;
+    }
+    if (rc == MO_OK)
+        rc = layout(mc, &u);
+    free(u.tab);
+    return rc;
+}
+
+/* Rank and widths the scratch depends on. */
+static void dims(model_cuda_t *mc) {
+    const model_t *m = mc->m;
+    mc->R = m->adapter ? m->adapter->R : 0;
+    mc->Fmax = 1;
+    for (int l = 0; l < m->L; l++) {
+        int F = m->layers[l].moe ? m->layers[l].moe_cfg.F : m->cfg.intermediate_size;
+        mc->Fmax = F > mc->Fmax ? F : mc->Fmax;
+        mc->n_moe += m->layers[l].moe;
+        mc->dense |= !m->layers[l].moe;
+    }
+}
+
+int model_cuda_upload(model_cuda_t **out, const model_t *m) {
+    *out = NULL;
+    if (!m)
+        return mo_errorf(MO_EINVAL, "model_cuda_upload: no model");
+    TRY(check_supported(m));
+    const backend_t *be = backend_get(DEV_CUDA);
+    if (!be)
+        return mo_error_wrap(MO_EDEVICE, "model_cuda_upload");
+    model_cuda_t *mc = calloc(1, sizeof *mc);
+    if (!mc)
+        return mo_errorf(MO_ENOMEM, "model_cuda_upload");
+    mc->m = m;
+    mc->be = be;
+    mc->L = m->L, mc->D = m->D, mc->H = m->H, mc->Hkv = m->Hkv, mc->Dh = m->Dh;
+    mc->E = m->E, mc->K = m->K, mc->V = m->V;
+    dims(mc);
+    mc->layers = calloc((size_t)(m->L > 0 ? m->L : 1), sizeof *mc->layers);
+    int rc = mc->layers ? upload(mc) : mo_errorf(MO_ENOMEM, "model_cuda_upload");
+    if (rc < 0) {
+        model_cuda_free(&mc);
+        return mo_error_wrap(rc, "model_cuda_upload");
+    }
+    *out = mc;
+    return MO_OK;
+}
+
+void model_cuda_free(model_cuda_t **pmc) {
+    if (!pmc || !*pmc)
+        return;
+    model_cuda_t *mc = *pmc;
+    if (mc->be) {
+        mc->be->synchronize(mc->be); /* no queued work may still read the blocks */
+        moe_cuda_plan_free(&mc->plan);
+        if (mc->smem)
+            mc->be->free(mc->be, mc->smem);
+        if (mc->wmem)
+            mc->be->free(mc->be, mc->wmem);
+    }
+    free(mc->layers);
+    free(mc);
+    *pmc = NULL;
+}
+
+int model_cuda_has_adapter(const model_cuda_t *mc) {
+    return mc && mc->R > 0;
+}
+
+int model_cuda_sync_adapter(model_cuda_t *mc) {
+    if (!mc || !mc->ad)
+        return mo_errorf(MO_EINVAL, "model_cuda_sync_adapter: the upload holds no adapter");
+    if (mc->m->adapter != mc->ad)
+        return mo_errorf(MO_ESTATE, "model_cuda_sync_adapter: the adapter uploaded is no longer "
+                                    "bound to the model");
+    TRY(mc->be->synchronize(mc->be)); /* no queued work still reads the old parameters */
+    return mc->be->copy(mc->be, mc->dparams, DEV_CUDA, mc->ad->params, DEV_CPU,
+                        sizeof(float) * mc->ad->n_params);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Scratch.                                                                  */
+
+typedef struct bump {
+    char *base; /* NULL: sizing */
+    size_t off;
+} bump_t;
+
+static void *bump(bump_t *b, size_t bytes) {
+    size_t o = align_up(b->off);
+    b->off = o + (bytes > 0 ? bytes : 1);
+    return b->base ? b->base + o : NULL;
+}
+
+#define BUMP(ptr, b, n) ((ptr) = bump((b), sizeof(*(ptr)) * (size_t)(n)))
+
+/* Rows of logits formed at a time: model_opts_t.logits_chunk_rows when set, else up to 256 MiB
+ * of logits (fewer passes over lm_head than the CPU's default). */
+static int logits_rows(const model_cuda_t *mc, int T) {
+    int r = mc->m->opts.logits_chunk_rows > 0 ? mc->m->opts.logits_chunk_rows : (1 << 26) / mc->V;
+    r = r > 0 ? r : 1;
+    return r < T ? r : T;
+}
+
+/* Carves the buffers for T tokens of B sequences; returns the bytes. */
+static size_t scratch_layout(const model_cuda_t *mc, mc_scratch_t *s, char *base, int T, int B) {
+    bump_t b = {base, 0};
+    size_t TD = (size_t)T * mc->D, qd = (size_t)T * mc->H * mc->Dh;
+    size_t kvd = (size_t)T * mc->Hkv * mc->Dh, S = (size_t)T * mc->K;
+    size_t rows_ex = mc->n_moe ? S : 0;
+    rows_ex = mc->dense && (size_t)T > rows_ex ? (size_t)T : rows_ex;
+    size_t R = (size_t)(mc->R > 0 ? mc->R : 1);
+    BUMP(s->tok, &b, T);
+    BUMP(s->pos, &b, T);
+    BUMP(s->tgt, &b, T);
+    BUMP(s->cu, &b, B + 1);
+    BUMP(s->off1, &b, 2);
+    BUMP(s->route, &b, (size_t)mc->n_moe * S);
+    BUMP(s->x, &b, TD);
+    BUMP(s->h1, &b, TD);
+    BUMP(s->ln, &b, TD);
+    BUMP(s->o, &b, TD);
+    BUMP(s->q, &b, qd);
+    BUMP(s->qr, &b, qd);
+    BUMP(s->att, &b, qd);
+    BUMP(s->k, &b, kvd);
+    BUMP(s->kr, &b, kvd);
+    BUMP(s->v, &b, kvd);
+    BUMP(s->lse_att, &b, (size_t)T * mc->H);
+    BUMP(s->rstd, &b, (size_t)T * mc->H);
+    BUMP(s->xa, &b, (size_t)T * R);
+    BUMP(s->rlogits, &b, (size_t)T * mc->E);
+    BUMP(s->probs, &b, (size_t)T * mc->E);
+    BUMP(s->val, &b, S);
+    BUMP(s->wt, &b, S);
+    BUMP(s->xg, &b, rows_ex * mc->D);
+    BUMP(s->yg, &b, rows_ex * mc->D);
+    BUMP(s->g, &b, rows_ex * mc->Fmax);
+    BUMP(s->u, &b, rows_ex * mc->Fmax);
+    BUMP(s->h, &b, rows_ex * mc->Fmax);
+    BUMP(s->xa_g, &b, rows_ex * R);
+    BUMP(s->xa_u, &b, rows_ex * R);
+    BUMP(s->xa_d, &b, rows_ex * R);
+    BUMP(s->hf, &b, TD);
+    BUMP(s->lse, &b, T);
+    BUMP(s->logp, &b, T);
+    BUMP(s->ent, &b, T);
+    BUMP(s->logits, &b, (size_t)logits_rows(mc, T) * mc->V);
+    return b.off;
+}
+
+/* The scratch block and the dispatch plan for T tokens of B sequences. */
+static int scratch_ready(model_cuda_t *mc, int T, int B) {
+    size_t need = scratch_layout(mc, &mc->s, NULL, T, B);
+    if (need > mc->scap) {
+        if (mc->smem)
+            mc->be->free(mc->be, mc->smem);
+        mc->smem = NULL;
+        mc->scap = 0;
+        void *p = NULL;
+        TRY(mc->be->alloc(mc->be, &p, need));
+        mc->smem = p;
+        mc->scap = need;
+    }
+    scratch_layout(mc, &mc->s, mc->smem, T, B);
+    if (mc->n_moe > 0 && mc->plan_T != T) {
+        moe_cuda_plan_free(&mc->plan);
+        mc->plan_T = -1;
+        TRY(moe_cuda_plan_alloc(&mc->plan, T, mc->K, mc->E));
+        mc->plan_T = T;
+    }
+    return MO_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Forward.                                                                  */
+
+/* The replayed experts (T, M, K) of b: each in [0, E), none twice for one token and layer
+ * (router_replay's checks, MO_EMALFORMED). */
+static int check_replay(const model_cuda_t *mc, const model_batch_t *b) {
+    int M = mc->n_moe, K = mc->K;
+    for (int t = 0; t < b->T; t++)
+        for (int mi = 0; mi < M; mi++) {
+            const uint16_t *row = b->replay + ((size_t)t * M + mi) * K;
+            for (int i = 0; i < K; i++) {
+                if (row[i] >= mc->E)
+                    return mo_errorf(MO_EMALFORMED,
+                                     "model_cuda_logprobs: routing replay of MoE layer %d: token "
+                                     "%d slot %d names expert %d, outside [0, %d)",
+                                     mi, t, i, row[i], mc->E);
+                for (int j = 0; j < i; j++)
+                    if (row[j] == row[i])
+                        return mo_errorf(MO_EMALFORMED,
+                                         "model_cuda_logprobs: routing replay of MoE layer %d: "
+                                         "token %d names expert %d twice (slots %d and %d)",
+                                         mi, t, row[i], j, i);
+            }
+        }
+    return MO_OK;
+}
+
+/* The checks of model_forward. */
+static int check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *logp) {
+    int V = mc->V;
+    if (!b || b->T < 0 || b->B < 0 || !b->cu_seqlens ||
+        (b->T > 0 && (!b->tokens || !b->positions || !b->targets || !logp)))
+        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: a batch needs T >= 0, B >= 0, tokens, "
+                                    "positions, cu_seqlens, targets and a logp output");
+    if (!(b->temperature > 0.0f) || !isfinite(b->temperature))
+        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: temperature %g must be finite and > 0",
+                         (double)b->temperature);
+    if (b->cu_seqlens[0] != 0 || b->cu_seqlens[b->B] != b->T)
+        return mo_errorf(MO_EINVAL,
+                         "model_cuda_logprobs: cu_seqlens must run from 0 to T = %d, "
+                         "got %d to %d",
+                         b->T, b->cu_seqlens[0], b->cu_seqlens[b->B]);
+    for (int i = 0; i < b->B; i++)
+        if (b->cu_seqlens[i + 1] < b->cu_seqlens[i])
+            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: cu_seqlens decreases at %d (%d > %d)",
+                             i + 1, b->cu_seqlens[i], b->cu_seqlens[i + 1]);
+    for (int t = 0; t < b->T; t++) {
+        if (b->tokens[t] < 0 || b->tokens[t] >= V)
+            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: token %d is id %d, outside [0, %d)",
+                             t, b->tokens[t], V);
+        if (b->targets[t] < -1 || b->targets[t] >= V)
+            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: target %d is id %d, outside [-1, %d)",
+                             t, b->targets[t], V);
+        if (b->positions[t] < 0)
+            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: position %d is %d, expected >= 0", t,
+                             b->positions[t]);
+    }
+    return b->replay ? check_replay(mc, b) : MO_OK;
+}
+
+/* The staging address h of the device buffer p, the ids region starting at s->tok. */
+static int32_t *staged(int32_t *h, const mc_scratch_t *s, const int32_t *p) {
+    return (int32_t *)((char *)h + ((const char *)p - (const char *)s->tok));
+}
+
+/* Copies the batch's ids (targets -1 as 0) and replayed experts into the scratch with one
+ * host-to-device copy: scratch_layout puts tok, pos, tgt, cu, off1 and route first, in this
+ * order. */
+static int upload_batch(model_cuda_t *mc, const model_batch_t *b) {
+    const mc_scratch_t *s = &mc->s;
+    int T = b->T, M = mc->n_moe, K = mc->K;
+    const int32_t *end = b->replay ? s->route + (size_t)M * T * K : s->off1 + 2;
+    size_t n = (size_t)((const char *)end - (const char *)s->tok);
+    int32_t *h = calloc(1, n);
+    if (!h)
+        return mo_errorf(MO_ENOMEM, "model_cuda_logprobs: %zu bytes of staging", n);
+    int32_t *tgt = staged(h, s, s->tgt), *off1 = staged(h, s, s->off1);
+    memcpy(staged(h, s, s->tok), b->tokens, sizeof(int32_t) * (size_t)T);
+    memcpy(staged(h, s, s->pos), b->positions, sizeof(int32_t) * (size_t)T);
+    memcpy(staged(h, s, s->cu), b->cu_seqlens, sizeof(int32_t) * (size_t)(b->B + 1));
+    for (int t = 0; t < T; t++)
+        tgt[t] = b->targets[t] >= 0 ? b->targets[t] : 0;
+    off1[0] = 0;
+    off1[1] = T;
+    if (b->replay) { /* (T, M, K) u16 -> (M, T, K) int32 */
+        int32_t *route = staged(h, s, s->route);
+        for (int t = 0; t < T; t++)
+            for (int mi = 0; mi < M; mi++)
+                for (int j = 0; j < K; j++)
+                    route[((size_t)mi * T + t) * K + j] = b->replay[((size_t)t * M + mi) * K + j];
+    }
+    int rc = mc->be->copy(mc->be, s->tok, DEV_CUDA, h, DEV_CPU, n);
+    free(h);
+    return rc;
+}
+
+/* out (T, OC) = inp (T, C) W^T, plus its adapter's term when l is given. */
+static int proj(const model_cuda_t *mc, float *out, const float *inp, const wview_t *w,
+                const moe_cuda_lora_t *l, int T, int C, int OC) {
+    mc->be->k->matmul_forward(out, inp, w, NULL, T, C, OC);
+    if (l && l->A)
+        TRY(moe_cuda_lora_forward(out, mc->s.xa, inp, l, mc->s.off1, 1, T, C, OC));
+    return MO_OK;
+}
+
+/* qk (T, nh, Dh) = RoPE(norm(raw)) (norm skipped when w is NULL). */
+static void norm_rope(const model_cuda_t *mc, float *qk, const float *raw, const float *w, int T,
+                      int nh) {
+    const kernels_t *k = mc->be->k;
+    if (w)
+        k->rmsnorm_forward(qk, mc->s.rstd, raw, w, T * nh, mc->Dh, mc->m->eps);
+    k->rope_forward(qk, w ? qk : raw, mc->s.pos, mc->inv_freq, mc->m->rope_mscale, T, nh, mc->Dh,
+                    mc->Dh);
+}
+
+/* s->o (T, D) = the attention block of layer ly on rmsnorm(s->x). */
+static int attention(const model_cuda_t *mc, const mc_layer_t *ly, int T, int B, int ad) {
+    const kernels_t *k = mc->be->k;
+    const mc_scratch_t *s = &mc->s;
+    int D = mc->D, qd = mc->H * mc->Dh, kvd = mc->Hkv * mc->Dh;
+    k->rmsnorm_forward(s->ln, s->rstd, s->x, ly->attn_norm, T, D, mc->m->eps);
+    float *q = ly->q_norm ? s->q : s->qr, *kk = ly->k_norm ? s->k : s->kr;
+    TRY(proj(mc, q, s->ln, &ly->wq, ad ? &ly->lq : NULL, T, D, qd));
+    TRY(proj(mc, kk, s->ln, &ly->wk, ad ? &ly->lk : NULL, T, D, kvd));
+    TRY(proj(mc, s->v, s->ln, &ly->wv, ad ? &ly->lv : NULL, T, D, kvd));
+    norm_rope(mc, s->qr, q, ly->q_norm, T, mc->H);
+    norm_rope(mc, s->kr, kk, ly->k_norm, T, mc->Hkv);
+    k->attention_forward(s->att, s->lse_att, s->qr, s->kr, s->v, s->cu, B, mc->H, mc->Hkv, mc->Dh,
+                         mc->m->attn_scale, ly->window);
+    return proj(mc, s->o, s->att, &ly->wo, ad ? &ly->lo : NULL, T, qd, D);
+}
+
+/* The experts (or dense MLP) table of ly, without its adapters when ad is 0. */
+static moe_cuda_experts_t experts_of(const mc_layer_t *ly, int ad) {
+    moe_cuda_experts_t w = ly->ex;
+    if (!ad) {
+        w.lora_gate.A = NULL;
+        w.lora_up.A = NULL;
+        w.lora_down.A = NULL;
+    }
+    return w;
+}
+
+static moe_cuda_acts_t acts_of(const mc_scratch_t *s, const moe_cuda_experts_t *w) {
+    moe_cuda_acts_t a = {s->g,
+                         s->u,
+                         s->h,
+                         w->lora_gate.A ? s->xa_g : NULL,
+                         w->lora_up.A ? s->xa_u : NULL,
+                         w->lora_down.A ? s->xa_d : NULL};
+    return a;
+}
+
+/* s->o (T, D) = the MoE layer on s->ln: router logits -> softmax -> top-k (or the replayed
+ * experts) -> weights -> dispatch -> experts -> combine. */
+static int moe(model_cuda_t *mc, const mc_layer_t *ly, int T, int ad) {
+    const kernels_t *k = mc->be->k;
+    const mc_scratch_t *s = &mc->s;
+    int D = mc->D, E = mc->E, K = mc->K, S = T * K;
+    k->matmul_forward(s->rlogits, s->ln, &ly->router, NULL, T, D, E);
+    k->softmax_forward(s->probs, s->rlogits, T, E);
+    int32_t *idx = s->route + (size_t)ly->moe_index * S; /* (T, K) */
+    if (mc->replay)
+        TRY(model_glue_take(s->val, s->probs, idx, T, E, K));
+    else
+        k->topk_forward(idx, s->val, s->probs, T, E, K);
+    TRY(model_glue_topk_weights(s->wt, s->val, T, K, ly->norm_topk, ly->route_scale));
+    TRY(moe_cuda_plan_build(&mc->plan, idx));
+    TRY(moe_cuda_dispatch_forward(s->xg, s->ln, &mc->plan, D));
+    moe_cuda_experts_t w = experts_of(ly, ad);
+    moe_cuda_acts_t a = acts_of(s, &w);
+    TRY(moe_cuda_experts_forward(s->yg, &a, s->xg, mc->plan.offsets, E, S, &w, D, ly->F));
+    return moe_cuda_combine_forward(s->o, s->yg, s->wt, &mc->plan, D);
+}
+
+/* s->o (T, D) = the dense SwiGLU MLP on s->ln, as one expert owning every row. */
+static int dense(const model_cuda_t *mc, const mc_layer_t *ly, int T, int ad) {
+    const mc_scratch_t *s = &mc->s;
+    moe_cuda_experts_t w = experts_of(ly, ad);
+    moe_cuda_acts_t a = acts_of(s, &w);
+    return moe_cuda_experts_forward(s->o, &a, s->ln, s->off1, 1, T, &w, mc->D, ly->F);
+}
+
+/* s->x (T, D) = layer l applied to s->x. */
+static int layer(model_cuda_t *mc, int l, int T, int B, int ad) {
+    const mc_layer_t *ly = &mc->layers[l];
+    const mc_scratch_t *s = &mc->s;
+    size_t TD = (size_t)T * mc->D;
+    TRY(attention(mc, ly, T, B, ad));
+    TRY(model_glue_add(s->h1, s->x, s->o, TD));
+    mc->be->k->rmsnorm_forward(s->ln, s->rstd, s->h1, ly->mlp_norm, T, mc->D, mc->m->eps);
+    TRY(ly->moe ? moe(mc, ly, T, ad) : dense(mc, ly, T, ad));
+    return model_glue_add(s->x, s->h1, s->o, TD);
+}
+
+/* Final norm, chunked lm_head, logprob and entropy into s->logp, s->ent. */
+static void head(const model_cuda_t *mc, int T, float temperature) {
+    const kernels_t *k = mc->be->k;
+    const mc_scratch_t *s = &mc->s;
+    int D = mc->D, V = mc->V, rows = logits_rows(mc, T);
+    k->rmsnorm_forward(s->hf, s->rstd, s->x, mc->final_norm, T, D, mc->m->eps);
+    for (int r0 = 0; r0 < T; r0 += rows) {
+        int n = T - r0 < rows ? T - r0 : rows;
+        k->matmul_forward(s->logits, s->hf + (size_t)r0 * D, &mc->lm_head, NULL, n, D, V);
+        k->logprob_forward(s->logp + r0, s->ent + r0, s->lse + r0, s->logits, s->tgt + r0, n, V,
+                           temperature);
+    }
+}
+
+static int run(model_cuda_t *mc, const model_batch_t *b, int ad) {
+    int T = b->T;
+    mc->replay = b->replay != NULL;
+    TRY(scratch_ready(mc, T, b->B));
+    TRY(upload_batch(mc, b));
+    mc->be->k->embedding_forward(mc->s.x, mc->s.tok, &mc->embed, T, mc->D);
+    for (int l = 0; l < mc->L; l++) {
+        int rc = layer(mc, l, T, b->B, ad);
+        if (rc < 0)
+            return mo_error_wrap(rc, "layer %d", l);
+    }
+    head(mc, T, b->temperature);
+    return mc->be->synchronize(mc->be);
+}
+
+/* Drains the stream after a failure so that no pending error is left for the next call;
+ * keeps the failure's message. */
+static int fail(model_cuda_t *mc, int rc) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", mo_last_error());
+    mc->be->synchronize(mc->be);
+    return mo_errorf(rc, "model_cuda_logprobs: %s", msg);
+}
+
+/* b->routing (T, M, K) = the experts each MoE layer used, from s->route (M, T, K). */
+static int routing_out(model_cuda_t *mc, const model_batch_t *b) {
+    int T = b->T, M = mc->n_moe, K = mc->K;
+    size_t n = (size_t)M * T * K;
+    if (n == 0)
+        return MO_OK;
+    int32_t *h = malloc(n * sizeof *h);
+    if (!h)
+        return mo_errorf(MO_ENOMEM, "model_cuda_logprobs: %zu bytes of routing", n * sizeof *h);
+    int rc = mc->be->copy(mc->be, h, DEV_CPU, mc->s.route, DEV_CUDA, n * sizeof *h);
+    if (rc == MO_OK)
+        for (int mi = 0; mi < M; mi++)
+            for (int t = 0; t < T; t++)
+                for (int j = 0; j < K; j++)
+                    b->routing[((size_t)t * M + mi) * K + j] =
+                        (uint16_t)h[((size_t)mi * T + t) * K + j];
+    free(h);
+    return rc < 0 ? fail(mc, rc) : MO_OK;
+}
+
+int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
+                        int use_adapter) {
+    if (!mc)
+        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: no uploaded model");
+    TRY(check_batch(mc, b, logp));
+    if (use_adapter != 0 && use_adapter != 1)
+        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: use_adapter %d must be 0 or 1",
+                         use_adapter);
+    if (use_adapter && mc->R == 0)
+        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: use_adapter = 1 but the upload holds "
+                                    "no adapter (bind one with model_set_adapter before "
+                                    "model_cuda_upload)");
+    int T = b->T;
+    if (T == 0)
+        return MO_OK;
+    int rc = run(mc, b, use_adapter);
+    if (rc < 0)
+        return fail(mc, rc);
+    const backend_t *be = mc->be;
+    rc = be->copy(be, logp, DEV_CPU, mc->s.logp, DEV_CUDA, sizeof(float) * (size_t)T);
+    if (rc == MO_OK && entropy)
+        rc = be->copy(be, entropy, DEV_CPU, mc->s.ent, DEV_CUDA, sizeof(float) * (size_t)T);
+    if (rc < 0)
+        return fail(mc, rc);
+    if (b->routing)
+        TRY(routing_out(mc, b));
+    for (int t = 0; t < T; t++)
+        if (b->targets[t] < 0)
+            logp[t] = 0.0f;
+    return MO_OK;
+}
+
+#endif /* MOERL_HAVE_CUDA */

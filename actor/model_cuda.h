@@ -1,0 +1,69 @@
+/* model_cuda: the policy model's scoring forward (per-token logprob and entropy of a packed
+ * batch) on the CUDA backend, from a device copy of a loaded model's weights and adapter. */
+#ifndef MOERL_ACTOR_MODEL_CUDA_H
+#define MOERL_ACTOR_MODEL_CUDA_H
+
+#include "actor/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Built only with the CUDA backend (MOERL_HAVE_CUDA).
+ *
+ * Covered: GQA attention with optional per-head q/k RMSNorm (Qwen3), RoPE (any rope_scaling:
+ * the model's inv_freq and mscale are used) and an optional sliding window (Mixtral, Qwen3's
+ * use_sliding_window); MoE layers with the softmax top-k router (norm_topk_prob and
+ * routed_scaling_factor as router.c applies them) and routed experts; dense SwiGLU layers
+ * (mlp_only_layers); LoRA on q, k, v, o, routed experts and dense MLPs; tied or separate
+ * lm_head; frozen matrices in f32 or bf16; routing replay and routing output. Every layer
+ * runs as model_forward describes it (actor/model.h), through the CUDA kernel table and
+ * core/cuda/moe_cuda.h. The router matrix is kept in f32 on the device (a bf16 router is
+ * converted exactly), so the router logits are f32 products as on the CPU; the other bf16
+ * products round their activations to bf16 (core/cuda/matmul.cu), so bf16 models agree with
+ * the CPU to ~1e-2, f32 ones to ~1e-5.
+ *
+ * Refused at upload (MO_ECONFIG, naming the feature): multi-head latent attention, sigmoid
+ * or group-limited routers and e_score_correction_bias, shared experts, weights other than
+ * f32/bf16 (f16, fp8 with block scales), expert parallelism (model_set_comm), adapters with
+ * trainable full weights (model_adapter_add_full). The forward keeps nothing for a backward
+ * and does not update model_t.stats or the aux loss. */
+typedef struct model_cuda model_cuda_t;
+
+/* Copies m's frozen weights and, when an adapter is bound (model_set_adapter), its
+ * parameters (the LoRA pairs) to device memory from the CUDA backend's pool, once; builds
+ * the per-expert pointer tables. The copy is a snapshot: later changes to m are not seen
+ * (upload again), nor changes to the adapter's parameters until model_cuda_sync_adapter.
+ * m must stay loaded, and the adapter alive, while *out is used. MO_EDEVICE without a CUDA
+ * device, MO_ECONFIG for an unsupported model (see above). */
+int model_cuda_upload(model_cuda_t **out, const model_t *m);
+/* Gives the device memory back; safe on NULL and *mc == NULL. */
+void model_cuda_free(model_cuda_t **mc);
+
+/* 1 when the upload holds an adapter. */
+int model_cuda_has_adapter(const model_cuda_t *mc);
+
+/* Copies the uploaded adapter's current parameters (all of lora_adapter_t.params, e.g. after
+ * an optimizer step) to the device again, in one copy. MO_EINVAL when the upload holds no
+ * adapter, MO_ESTATE when that adapter is no longer the one bound to the model. */
+int model_cuda_sync_adapter(model_cuda_t *mc);
+
+/* Scores a packed batch of host arrays as model_forward does (tokens, positions,
+ * cu_seqlens, targets, temperature, replay, routing): logp (T) and entropy (T, or NULL)
+ * receive, in HOST memory, each target's log-probability (0 where the target is -1) and
+ * each token's next-token entropy. With b->replay (T, M, K) the MoE layers use the given
+ * experts with weights from the router's scores for them, as router_replay does (an index
+ * outside [0, E) or an expert named twice for a token is MO_EMALFORMED); b->routing
+ * (T, M, K), when not NULL, receives the experts used. use_adapter = 1 applies the
+ * uploaded adapter (MO_EINVAL when there is none), 0 scores the base model. The batch is
+ * checked on the host as model_forward checks it (MO_EINVAL naming the position). All
+ * work is queued on the calling thread's stream with no host sync until the results are
+ * copied back; the scratch comes from one pool block kept between calls (it grows when a
+ * larger batch comes), so repeated calls make no new device allocations. */
+int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
+                        int use_adapter);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
