@@ -210,7 +210,8 @@ const cfg_key_t cfg_keys[] = {
     K_STR(data, path, CFG_PATH, 0, "",
           "JSONL file of {\"prompt\": ..., \"answer\": ...} records; required for task jsonl."),
     K_INT(data, arith_min_digits, 1, 9, "1",
-          "Task arith: fewest digits of an operand (1 allows 0-9)."),
+          "Task arith: fewest digits of an operand (1 allows 0-9); each operand is uniform "
+          "over the numbers of min..max digits, so every problem is equally likely."),
     K_INT(data, arith_max_digits, 1, 9, "3",
           "Task arith: most digits of an operand; at least data.arith_min_digits."),
     K_STR(data, arith_ops, CFG_STRING, CFG_NONEMPTY, "+-",

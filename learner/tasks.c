@@ -140,15 +140,18 @@ static uint64_t pow10u(int e) {
     return p;
 }
 
+/* Each operand uniform over every number with min_digits..max_digits digits,
+ * [lo, 10^max_digits - 1] with lo 0 for one digit, else 10^(min_digits-1): one
+ * draw per operand, so every problem is equally likely (a one-digit operand is
+ * no likelier than a two-digit one). */
 static void arith_candidate(const task_opts_t *o, draws_t *d, task_item_t *it) {
     size_t nops = strlen(o->ops);
     char op = o->ops[draw_range(d, 0, nops - 1)];
+    uint64_t lo = o->min_digits == 1 ? 0 : pow10u(o->min_digits - 1);
+    uint64_t hi = pow10u(o->max_digits) - 1;
     int64_t v[2];
-    for (int k = 0; k < 2; k++) {
-        int digits = (int)draw_range(d, (uint64_t)o->min_digits, (uint64_t)o->max_digits);
-        uint64_t lo = digits == 1 ? 0 : pow10u(digits - 1);
-        v[k] = (int64_t)draw_range(d, lo, pow10u(digits) - 1);
-    }
+    for (int k = 0; k < 2; k++)
+        v[k] = (int64_t)draw_range(d, lo, hi);
     if (op == '-' && !o->negative && v[0] < v[1]) {
         int64_t t = v[0];
         v[0] = v[1];

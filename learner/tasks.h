@@ -31,7 +31,8 @@ typedef enum { TASK_SPLIT_TRAIN = 0, TASK_SPLIT_EVAL = 1 } task_split_t;
 
 typedef struct task_opts {
     cfg_task_t kind;            /* CFG_TASK_ARITH or CFG_TASK_SORT */
-    int min_digits, max_digits; /* arith: digits per operand, in [1, TASK_MAX_DIGITS] */
+    int min_digits, max_digits; /* arith: digits per operand, in [1, TASK_MAX_DIGITS]; each
+                                 * operand is uniform over all numbers of those lengths */
     char ops[4];                /* arith: operators to draw from, a non-empty subset of "+-*" */
     int negative;               /* arith: 0 orders a-b so that a >= b; 1 allows negative results */
     int min_len, max_len;       /* sort: items per list, in [1, TASK_MAX_SORT_LEN] */

@@ -7,13 +7,13 @@
 #      tiny Qwen3-MoE (moerl init-model) given a short supervised warm start on
 #      the built-in arithmetic task (moerl sft --full, one thread: faster than
 #      two for a model this small);
-#   3. runs the RL job (moerl run configs/quickstart.yaml): the learner, 2
-#      rollout workers and a reward worker as separate processes, GRPO with LoRA
-#      on the attention and expert projections;
+#   3. runs the RL job (moerl run configs/quickstart.yaml, 2000 steps): the
+#      learner, 2 rollout workers and a reward worker as separate processes,
+#      GRPO with LoRA on the attention and expert projections;
 #   4. prints reward mean and held-out greedy accuracy by step, the accuracy
 #      before and after RL, and writes runs/quickstart/report.svg.
 #
-# Environment: QUICKSTART_SFT_STEPS (warm-start updates, default 1500) and
+# Environment: QUICKSTART_SFT_STEPS (warm-start updates, default 2500) and
 # QUICKSTART_RL_STEPS (learner steps, default: configs/quickstart.yaml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,17 +25,26 @@ cmake --build build/release -j"$(nproc)"
 moerl=./build/release/moerl
 config=configs/quickstart.yaml
 base=models/quickstart-base
-sft_steps=${QUICKSTART_SFT_STEPS:-1500}
+sft_steps=${QUICKSTART_SFT_STEPS:-2500}
 
-if [ -f "$base/model.safetensors" ]; then
+# The cached base is reused only when it was made by this recipe: the task's
+# problem stream and the warm start both shape it.
+recipe="init qwen3_moe tiny seed 1; sft --full --steps $sft_steps --lr 4e-3 --logit-scale 16;"
+recipe+=" task arith, operands uniform"
+if [ -f "$base/model.safetensors" ] && [ "$(cat "$base/recipe.txt" 2>/dev/null)" = "$recipe" ]; then
   echo "quickstart: base model $base is already there (delete it to make it again)"
 else
+  if [ -d "$base" ]; then
+    echo "quickstart: $base was made by another recipe; making it again"
+  fi
   echo "quickstart: making the base model $base ($sft_steps warm-start updates)"
   mkdir -p models
   "$moerl" init-model --arch qwen3_moe --size tiny --seed 1 --out models/quickstart-init
   rm -rf "$base.tmp"
   "$moerl" sft "$config" --set model.path=models/quickstart-init --set run.threads=1 \
     --full --steps "$sft_steps" --lr 4e-3 --logit-scale 16 --eval-every 500 --out "$base.tmp"
+  printf '%s\n' "$recipe" >"$base.tmp/recipe.txt"
+  rm -rf "$base"
   mv "$base.tmp" "$base"
 fi
 

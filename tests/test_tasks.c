@@ -1,7 +1,7 @@
 /* Tests of tasks: generation is deterministic and pinned, answers are right
- * for every generated problem, the task verifiers accept the answer and
- * reject wrong ones, train and eval never share a problem, options are
- * checked, and SFT pairs match the train split. */
+ * for every generated problem, operands are uniform over their range, the
+ * task verifiers accept the answer and reject wrong ones, train and eval never
+ * share a problem, options are checked, and SFT pairs match the train split. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,15 +40,15 @@ static void test_pinned(void) {
     task_opts_t a = task_opts_default(CFG_TASK_ARITH), s = task_opts_default(CFG_TASK_SORT);
     task_item_t it;
     CU_ASSERT_EQUAL_FATAL(task_generate(&a, 1234, TASK_SPLIT_TRAIN, 0, &it), 0);
-    CU_ASSERT_STRING_EQUAL(it.prompt, "561-8=");
-    CU_ASSERT_STRING_EQUAL(it.answer, "553");
+    CU_ASSERT_STRING_EQUAL(it.prompt, "561-430=");
+    CU_ASSERT_STRING_EQUAL(it.answer, "131");
     CU_ASSERT_EQUAL_FATAL(task_generate(&s, 1234, TASK_SPLIT_TRAIN, 0, &it), 0);
     CU_ASSERT_STRING_EQUAL(it.prompt, "sort:982=");
     CU_ASSERT_STRING_EQUAL(it.answer, "289");
     CU_ASSERT_EQUAL_FATAL(task_generate(&a, 1234, TASK_SPLIT_EVAL, 0, &it), 0);
-    CU_ASSERT_STRING_EQUAL(it.prompt, "94-5=");
-    CU_ASSERT_STRING_EQUAL(it.answer, "89");
-    CU_ASSERT_EQUAL(task_split_of("94-5=", a.eval_permille), TASK_SPLIT_EVAL);
+    CU_ASSERT_STRING_EQUAL(it.prompt, "480+955=");
+    CU_ASSERT_STRING_EQUAL(it.answer, "1435");
+    CU_ASSERT_EQUAL(task_split_of("480+955=", a.eval_permille), TASK_SPLIT_EVAL);
 }
 
 /* Recomputes an arith answer from its prompt. */
@@ -78,6 +78,33 @@ static void check_arith(const task_opts_t *o, const task_item_t *it, int *neg_se
     CU_ASSERT_STRING_EQUAL(canon, it->prompt);
     if (want < 0)
         (*neg_seen)++;
+}
+
+/* Operands drawn from 1..2 digits are uniform over 0..99 (one-digit ones
+ * about 10%, not the half a digit-count-first draw would give); from 2..3
+ * digits uniform over 10..999 (three-digit ones about 91%). */
+static void test_operand_distribution(void) {
+    task_opts_t a = task_opts_default(CFG_TASK_ARITH);
+    strcpy(a.ops, "+");
+    int mins[2] = {1, 2}, maxs[2] = {2, 3};
+    double want[2] = {0.1, 900.0 / 990.0};
+    for (int c = 0; c < 2; c++) {
+        a.min_digits = mins[c];
+        a.max_digits = maxs[c];
+        long long cut = mins[c] == 1 ? 10 : 100; /* counted: x < 10 for 1..2, x >= 100 for 2..3 */
+        int hits = 0, n = 0, neg = 0;
+        for (uint64_t i = 0; i < 2000; i++) {
+            task_item_t it;
+            long long x, y;
+            CU_ASSERT_EQUAL_FATAL(task_generate(&a, 7, TASK_SPLIT_TRAIN, i, &it), 0);
+            check_arith(&a, &it, &neg);
+            CU_ASSERT_EQUAL_FATAL(sscanf(it.prompt, "%lld+%lld", &x, &y), 2);
+            hits += c == 0 ? (x < cut) + (y < cut) : (x >= cut) + (y >= cut);
+            n += 2;
+        }
+        double share = (double)hits / n; /* binomial sd below 0.005 for n 4000 */
+        CU_ASSERT_DOUBLE_EQUAL(share, want[c], 0.025);
+    }
 }
 
 static void check_sort(const task_opts_t *o, const task_item_t *it) {
@@ -331,6 +358,7 @@ int main(void) {
         {"determinism", test_determinism},
         {"pinned problems", test_pinned},
         {"answers are correct", test_answers},
+        {"operands are uniform", test_operand_distribution},
         {"verifiers accept and reject", test_verifiers},
         {"train and eval are disjoint", test_disjoint},
         {"options", test_options},
