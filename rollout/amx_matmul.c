@@ -141,9 +141,11 @@ static void amx_probe(void) {
     amx_ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+static int amx_forced_off;
+
 int amx_matmul_available(void) {
     pthread_once(&amx_once, amx_probe);
-    return amx_ok;
+    return amx_ok && !amx_forced_off;
 }
 
 typedef struct tilecfg {
@@ -285,10 +287,261 @@ void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const floa
     }
 }
 
+/* ------------------------------------------------------------------------ */
+/* Products with pre-packed weights.                                         */
+
+/* Rows tb*16 .. tb*16+15 of the activations as three bf16 parts in the tile layout of the
+ * A operand, xa (nTB, nKB, 3, 16, 32): part p of row tb*16 + n, column kb*32 + j at
+ * [tb][kb][p][n][j]; rows from T on are zero. The parts as in split_block16, each row's
+ * 32 columns in order (no transpose). */
+AVX512_FN static void split_block16_a(uint16_t *xa, const float *inp, int T, int tb, int C) {
+    static const uint16_t top[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                     23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                     45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    int nKB = C / KB, rows = T - tb * TR < TR ? T - tb * TR : TR;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i idx = _mm512_loadu_si512(top);
+    uint16_t *d0 = xa + (size_t)tb * nKB * 3 * TILE_BF16;
+    for (int n = 0; n < TR; n++) {
+        const float *row = inp + ((size_t)tb * TR + (size_t)n) * (size_t)C;
+        for (int kb = 0; kb < nKB; kb++) {
+            __m512 a = _mm512_setzero_ps(), b = a;
+            if (n < rows) {
+                a = _mm512_loadu_ps(row + (size_t)kb * KB);
+                b = _mm512_loadu_ps(row + (size_t)kb * KB + 16);
+            }
+            __m512 ra = _mm512_sub_ps(a, top16(a, hi)), rb = _mm512_sub_ps(b, top16(b, hi));
+            __m512 la = _mm512_sub_ps(ra, top16(ra, hi)), lb = _mm512_sub_ps(rb, top16(rb, hi));
+            uint16_t *d = d0 + (size_t)kb * 3 * TILE_BF16 + (size_t)n * KB;
+            _mm512_storeu_si512(d, pairs(a, b, idx));
+            _mm512_storeu_si512(d + TILE_BF16, pairs(ra, rb, idx));
+            _mm512_storeu_si512(d + 2 * TILE_BF16, pairs(la, lb, idx));
+        }
+    }
+}
+
+/* Block b of 16 outputs of a packed product: output outs[seg].out columns o0 .. */
+typedef struct pblock {
+    int seg, o0;
+} pblock_t;
+
+/* acc (16, 16) f32 -> rows r0 + t0 .. (t0 + r below T) of output o's columns o0 .. (below
+ * OC). */
+static void put_rows(const amx_out_t *o, const float *acc, int r0, int t0, int o0, int T) {
+    int nc = o->OC - o0 < TR ? o->OC - o0 : TR;
+    for (int r = 0; r < TR && t0 + r < T; r++) {
+        float *d = o->out + (size_t)(r0 + t0 + r) * (size_t)o->OC + o0;
+        for (int c = 0; c < nc; c++)
+            d[c] = acc[r * TR + c] + (o->bias ? o->bias[o0 + c] : 0.0f);
+    }
+}
+
+/* Accumulator tile t (rows r0 + t0 .., block pb) into its output: straight into the
+ * output when the 16 x 16 block lies inside it and there is no bias, through acc
+ * otherwise. */
+AMX_FN static void store_acc(int t, const amx_out_t *outs, const pblock_t *pb, int r0, int t0,
+                             int T, float *acc) {
+    const amx_out_t *o = &outs[pb->seg];
+    float *d = o->out + (size_t)(r0 + t0) * (size_t)o->OC + pb->o0;
+    long st = (long)o->OC * 4;
+    int direct = !o->bias && t0 + TR <= T && pb->o0 + TR <= o->OC;
+    switch (t) { /* tile numbers must be constants */
+    case 0: _tile_stored(0, direct ? (void *)d : (void *)acc, direct ? st : 64); break;
+    case 1: _tile_stored(1, direct ? (void *)d : (void *)acc, direct ? st : 64); break;
+    case 2: _tile_stored(2, direct ? (void *)d : (void *)acc, direct ? st : 64); break;
+    default: _tile_stored(3, direct ? (void *)d : (void *)acc, direct ? st : 64); break;
+    }
+    if (!direct)
+        put_rows(o, acc, r0, t0, pb->o0, T);
+}
+
+/* Asks for the tile at t (1 KiB, 16 lines) ahead of use, into L2. */
+static inline void prefetch_tile(const uint16_t *t) {
+    for (int i = 0; i < TR; i++)
+        __builtin_prefetch(t + (size_t)i * KB, 0, 2);
+}
+
+/* e^x in 16 lanes: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by the Cephes expf polynomial,
+ * times 2^n (within 2 ulp of expf; x clamped to [-88, 88], where expf is finite). */
+AVX512_FN static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Gate rows g and up rows u (16, 16) -> rows r0 + t0 .. (t0 + r below T) of o's columns
+ * o0 .. (below OC): silu(g) * u = g / (1 + e^-g) * u, e^x by exp16. */
+AVX512_FN static void put_glu(const amx_out_t *o, const float *g, const float *u, int r0, int t0,
+                              int o0, int T) {
+    int nc = o->OC - o0 < TR ? o->OC - o0 : TR;
+    __mmask16 k = (__mmask16)((1u << nc) - 1u);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int r = 0; r < TR && t0 + r < T; r++) {
+        float *d = o->out + (size_t)(r0 + t0 + r) * (size_t)o->OC + o0;
+        __m512 x = _mm512_loadu_ps(g + r * TR), y = _mm512_loadu_ps(u + r * TR);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        __m512 h = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), y);
+        _mm512_mask_storeu_ps(d, k, h);
+    }
+}
+
+/* Blocks b0 and b1 (b1 < 0: none) of outputs for all rows: weight tiles 4, 5, activation
+ * tiles 6, 7 (two blocks of 16 rows), accumulators 0 .. 3 (row block r, weight block c
+ * in tile 2 r + c). Along C in blocks of 32, the three parts in turn, as col_block. The
+ * weights come from memory once, as one stream; tile loads that miss wait on each line,
+ * so the first pass over the rows asks for the next pair's tiles (wnext: its first
+ * block's, or NULL) as it goes. */
+AMX_FN static void packed_pair(const amx_out_t *outs, const pblock_t *pbs, int b0, int b1,
+                               const uint16_t *wp, const uint16_t *wnext, const uint16_t *xa,
+                               int r0, int T, int Tp, int C, int glu) {
+    int nKB = C / KB, nTB = Tp / TR;
+    const uint16_t *w0 = wp + (size_t)b0 * nKB * TILE_BF16;
+    const uint16_t *w1 = b1 >= 0 ? wp + (size_t)b1 * nKB * TILE_BF16 : w0;
+    float acc[TR * TR], acc2[TR * TR];
+    for (int tb = 0; tb < nTB; tb += 2) {
+        int two = tb + 1 < nTB;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t *x0 = xa + (size_t)tb * nKB * 3 * TILE_BF16;
+        const uint16_t *x1 = x0 + (size_t)nKB * 3 * TILE_BF16;
+        for (int kb = 0; kb < nKB; kb++) {
+            if (tb == 0 && wnext) {
+                prefetch_tile(wnext + (size_t)kb * TILE_BF16);
+                prefetch_tile(wnext + ((size_t)nKB + kb) * TILE_BF16);
+            }
+            _tile_loadd(4, w0 + (size_t)kb * TILE_BF16, 64);
+            _tile_loadd(5, w1 + (size_t)kb * TILE_BF16, 64);
+            for (int p = 0; p < 3; p++) {
+                _tile_loadd(6, x0 + ((size_t)kb * 3 + p) * TILE_BF16, 64);
+                _tile_dpbf16ps(0, 6, 4);
+                _tile_dpbf16ps(1, 6, 5);
+                if (two) {
+                    _tile_loadd(7, x1 + ((size_t)kb * 3 + p) * TILE_BF16, 64);
+                    _tile_dpbf16ps(2, 7, 4);
+                    _tile_dpbf16ps(3, 7, 5);
+                }
+            }
+        }
+        if (glu) { /* b0 gate, b1 up of the same outputs */
+            const pblock_t *pb = &pbs[b0];
+            _tile_stored(0, acc, 64);
+            _tile_stored(1, acc2, 64);
+            put_glu(&outs[pb->seg], acc, acc2, r0, tb * TR, pb->o0, T);
+            if (two) {
+                _tile_stored(2, acc, 64);
+                _tile_stored(3, acc2, 64);
+                put_glu(&outs[pb->seg], acc, acc2, r0, (tb + 1) * TR, pb->o0, T);
+            }
+            continue;
+        }
+        store_acc(0, outs, &pbs[b0], r0, tb * TR, T, acc);
+        if (b1 >= 0)
+            store_acc(1, outs, &pbs[b1], r0, tb * TR, T, acc);
+        if (two) {
+            store_acc(2, outs, &pbs[b0], r0, (tb + 1) * TR, T, acc);
+            if (b1 >= 0)
+                store_acc(3, outs, &pbs[b1], r0, (tb + 1) * TR, T, acc);
+        }
+    }
+}
+
+/* amx_matmul_packed for rows r0 .. r0 + T - 1 (T at most ROW_CHUNK); pbs (nb) the output
+ * blocks; glu: pairs of blocks are gate and up (amx_matmul_glu). */
+static void packed_chunk(const amx_out_t *outs, const pblock_t *pbs, int nb, const float *inp,
+                         const uint16_t *wp, int r0, int T, int C, int glu) {
+    int Tp = (T + TR - 1) / TR * TR, nTB = Tp / TR;
+    uint16_t *xa = (uint16_t *)cpu_scratch_floats(0, 3 * (size_t)Tp * (size_t)C / 2);
+#pragma omp parallel for schedule(static) if ((size_t)Tp * (size_t)C > PAR_MIN / 16)
+    for (int tb = 0; tb < nTB; tb++)
+        split_block16_a(xa, inp + (size_t)r0 * C, T, tb, C);
+    __asm__ volatile("" ::: "memory"); /* the tile loads below read xa */
+    int npair = (nb + 1) / 2;
+    int par = (size_t)T * (size_t)C * (size_t)nb * TR > PAR_MIN && npair > 1;
+#pragma omp parallel if (par)
+    {
+        tiles_on();
+#pragma omp for schedule(static)
+        for (int q = 0; q < npair; q++) {
+            const uint16_t *wnext =
+                q + 1 < npair ? wp + (size_t)(2 * q + 2) * (C / KB) * TILE_BF16 : NULL;
+            packed_pair(outs, pbs, 2 * q, 2 * q + 1 < nb ? 2 * q + 1 : -1, wp, wnext, xa, r0, T,
+                        Tp, C, glu);
+        }
+        tiles_off();
+    }
+}
+
+void amx_matmul_packed(const amx_out_t *outs, int n, const float *inp, const uint16_t *wp, int T,
+                       int C) {
+    MO_ASSERT(amx_ok && n > 0 && T >= 0 && C > 0 && C % KB == 0);
+    int nb = 0;
+    for (int i = 0; i < n; i++)
+        nb += (outs[i].OC + TR - 1) / TR;
+    /* (nb) the output blocks, in scratch slot 1 (floats hold the two ints) */
+    pblock_t *pbs = (pblock_t *)cpu_scratch_floats(1, 2 * (size_t)nb);
+    for (int i = 0, b = 0; i < n; i++)
+        for (int o0 = 0; o0 < outs[i].OC; o0 += TR, b++) {
+            pbs[b].seg = i;
+            pbs[b].o0 = o0;
+        }
+    for (int t0 = 0; t0 < T; t0 += ROW_CHUNK) {
+        int rows = T - t0 < ROW_CHUNK ? T - t0 : ROW_CHUNK;
+        packed_chunk(outs, pbs, nb, inp, wp, t0, rows, C, 0);
+    }
+}
+
+void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16_t *wp, int T,
+                    int C, int F) {
+    MO_ASSERT(amx_ok && T >= 0 && C > 0 && C % KB == 0 && F > 0 && (h || (g && u)));
+    int nb = 2 * ((F + TR - 1) / TR);
+    pblock_t *pbs = (pblock_t *)cpu_scratch_floats(1, 2 * (size_t)nb);
+    for (int j = 0; j < nb / 2; j++) {
+        pbs[2 * j] = (pblock_t){0, j * TR};
+        pbs[2 * j + 1] = (pblock_t){1, j * TR};
+    }
+    amx_out_t outs[2] = {{h ? h : g, NULL, F}, {u, NULL, F}};
+    for (int t0 = 0; t0 < T; t0 += ROW_CHUNK) {
+        int rows = T - t0 < ROW_CHUNK ? T - t0 : ROW_CHUNK;
+        packed_chunk(outs, pbs, nb, inp, wp, t0, rows, C, h != NULL);
+    }
+}
+
+void amx_matmul_force_off(int off) {
+    amx_forced_off = off;
+}
+
 #else /* no AMX */
 
 int amx_matmul_available(void) {
     return 0;
+}
+
+void amx_matmul_force_off(int off) {
+    (void)off;
+}
+
+void amx_matmul_packed(const amx_out_t *outs, int n, const float *inp, const uint16_t *wp, int T,
+                       int C) {
+    (void)outs, (void)n, (void)inp, (void)wp, (void)T, (void)C;
+    MO_ASSERT(!"amx_matmul_packed without AMX");
+}
+
+void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16_t *wp, int T,
+                    int C, int F) {
+    (void)h, (void)g, (void)u, (void)inp, (void)wp, (void)T, (void)C, (void)F;
+    MO_ASSERT(!"amx_matmul_glu without AMX");
 }
 
 void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const float *bias, int T,
@@ -298,6 +551,39 @@ void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const floa
 }
 
 #endif
+
+size_t amx_packed_elems(int OC, int C) {
+    return (size_t)((OC + TR - 1) / TR) * TR * (size_t)C;
+}
+
+void amx_pack_bf16(uint16_t *dst, const uint16_t *w, int OC, int C) {
+    MO_ASSERT(OC > 0 && C > 0 && C % KB == 0);
+    int nKB = C / KB, nb = (OC + TR - 1) / TR;
+    for (int b = 0; b < nb; b++)
+        for (int kb = 0; kb < nKB; kb++) {
+            uint16_t *d = dst + ((size_t)b * nKB + kb) * TILE_BF16;
+            for (int k2 = 0; k2 < TR; k2++)
+                for (int n = 0; n < TR; n++) {
+                    int o = b * TR + n;
+                    const uint16_t *s = w + (size_t)o * C + (size_t)kb * KB + 2 * k2;
+                    d[(k2 * TR + n) * 2] = o < OC ? s[0] : 0;
+                    d[(k2 * TR + n) * 2 + 1] = o < OC ? s[1] : 0;
+                }
+        }
+}
+
+void amx_pack_bf16_glu(uint16_t *dst, const uint16_t *gate, const uint16_t *up, int F, int C) {
+    MO_ASSERT(F > 0 && C > 0 && C % KB == 0);
+    size_t blk = (size_t)TR * (size_t)C; /* one block of 16 outputs */
+    uint16_t *tmp = dst;
+    /* each block of 16 rows packs on its own (amx_pack_bf16 of its rows) */
+    for (int j = 0; j * TR < F; j++) {
+        int n = F - j * TR < TR ? F - j * TR : TR;
+        amx_pack_bf16(tmp, gate + (size_t)j * blk, n, C);
+        amx_pack_bf16(tmp + blk, up + (size_t)j * blk, n, C);
+        tmp += 2 * blk;
+    }
+}
 
 int amx_matmul_fits(const wview_t *w, int T, int C) {
     return w->dtype == DT_BF16 && !w->scale && C % KB == 0 && T >= AMX_MIN_ROWS &&

@@ -19,9 +19,10 @@ extern "C" {
  * is an f32 product with its own summation order (blocks of 32 along C), the same for a
  * row whatever the other rows are: it depends neither on T nor on the thread count.
  * Three bf16 tile products cost about a fifth of one f32 product on the vector units.
- * The weights are read where they are (no converted or packed copy); the activations
- * are split per call (vectorised, AVX-512), up to 256 rows at a time so that their
- * parts stay in L2 while the weights pass over them. */
+ * amx_matmul_bf16 reads the weights where they are; amx_matmul_packed and
+ * amx_matmul_glu read a packed copy made ahead (amx_pack_bf16). The activations are
+ * split per call (vectorised, AVX-512), up to 256 rows at a time so that their parts
+ * stay in L2 while the weights pass over them. */
 
 /* The rows of T below which the products stay on the vector units (a matrix-vector
  * product reads the weights once either way). */
@@ -44,6 +45,52 @@ void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const floa
  * kernel (cpu_matmul_forward) otherwise. */
 void amx_matmul_forward(float *out, const float *inp, const wview_t *w, const float *bias, int T,
                         int C, int OC);
+
+/* Pre-packed weights. amx_pack_bf16 copies w (OC, C) bf16 into the layout the tiles read
+ * as their B operand, in blocks of 16 outputs: wp (ceil(OC / 16), C / 32, 16, 16, 2),
+ * output 16 b + n, column 32 kb + 2 k2 + q at [b][kb][k2][n][q]; outputs from OC up to
+ * the next multiple of 16 are zero. Weights with the same C packed one after the other
+ * (each at the sum of amx_packed_elems of those before) run as one product. The copy
+ * costs one more set of the weights' bytes; the product then loads every tile with one
+ * contiguous read, takes the activations as the A operand (row-major parts, no
+ * transpose) and stores its accumulators straight into the outputs. */
+size_t amx_packed_elems(int OC, int C);
+/* C % 32 == 0; dst holds amx_packed_elems(OC, C) bf16. Any CPU (no tiles used). */
+void amx_pack_bf16(uint16_t *dst, const uint16_t *w, int OC, int C);
+
+/* One output of a packed product. */
+typedef struct amx_out {
+    float *out;        /* (T, OC) */
+    const float *bias; /* (OC) or NULL */
+    int OC;
+} amx_out_t;
+
+/* outs[i].out (T, OC_i) = inp (T, C) w_i^T (+ bias_i) for the n weights packed back to back
+ * in wp: one split of the activations for all of them. The same sums in the same order
+ * as amx_matmul_bf16 (the same bits: blocks of 32 along C, the three parts in turn),
+ * independent of T, of the other rows and of the thread count. Requires
+ * amx_matmul_available(); temporaries in scratch slots 0 and 1. */
+void amx_matmul_packed(const amx_out_t *outs, int n, const float *inp, const uint16_t *wp, int T,
+                       int C);
+
+/* gate and up (F, C) bf16 packed for amx_matmul_glu: blocks of 16 outputs in turn, gate's
+ * block j then up's block j, each as amx_pack_bf16 packs it; 2 amx_packed_elems(F, C)
+ * elements. */
+void amx_pack_bf16_glu(uint16_t *dst, const uint16_t *gate, const uint16_t *up, int F, int C);
+
+/* The gate and up products of an MLP on inp (T, C), wp from amx_pack_bf16_glu: with h
+ * (T, F) not NULL, h = silu(g) * u = g / (1 + e^-g) * u straight from the accumulators
+ * (g and u the products' bits as amx_matmul_packed gives them; e^x in 16 lanes within 2
+ * ulp of expf; the g and u arguments are not used); with h NULL, g (T, F) = inp gate^T
+ * and u (T, F) = inp up^T.
+ * Requires amx_matmul_available(); temporaries in scratch slots 0 and 1. */
+void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16_t *wp, int T,
+                    int C, int F);
+
+/* Tests: 1 turns the tiles off for this process (amx_matmul_available() then answers 0,
+ * as on a CPU without AMX), 0 turns them back on where the CPU has them. Not for use
+ * while products run. */
+void amx_matmul_force_off(int off);
 
 #ifdef __cplusplus
 }

@@ -3,11 +3,13 @@
  * are and are not multiples of the tile blocks, with bias), a row's bits not depending
  * on the other rows, and the same bits on one and two threads. Where the CPU has no AMX
  * the fallback kernel is what runs and is checked the same way. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/backend.h"
+#include "core/cpu/cpu_kernels.h"
 #include "rollout/amx_matmul.h"
 #include "tests/testutil.h"
 
@@ -120,11 +122,191 @@ static void test_row_chunks(void) {
     free(x), free(a), free(b), free(w);
 }
 
+/* Three weights (OC 45, 16, 70) packed back to back and run as one product, T rows: each
+ * output against the double reference, the same bits as amx_matmul_bf16 on the weight
+ * alone, and the first rows the same bits when computed alone. */
+static void packed_case(int T, int C, int with_bias, uint64_t seed) {
+    enum { NW = 3 };
+    const int OC[NW] = {45, 16, 70};
+    uint16_t *w[NW];
+    float *out[NW], *plain[NW], *bias[NW], *alone[NW];
+    double *ref[NW];
+    amx_out_t o[NW], oa[NW];
+    size_t pe = 0;
+    for (int i = 0; i < NW; i++)
+        pe += amx_packed_elems(OC[i], C);
+    uint16_t *wp = malloc(sizeof(uint16_t) * pe);
+    float *x = malloc(sizeof(float) * (size_t)T * C);
+    tu_fill(x, (size_t)T * C, seed, -3.0f, 3.0f);
+    for (size_t i = 0; i < (size_t)T * C; i += 5)
+        x[i] *= 1e-3f;
+    int TA = T < 5 ? T : 5;
+    size_t at = 0;
+    for (int i = 0; i < NW; i++) {
+        size_t no = (size_t)T * OC[i];
+        w[i] = make_w(OC[i], C, seed + 10 + (uint64_t)i);
+        amx_pack_bf16(wp + at, w[i], OC[i], C);
+        at += amx_packed_elems(OC[i], C);
+        out[i] = malloc(sizeof(float) * no);
+        plain[i] = malloc(sizeof(float) * no);
+        alone[i] = malloc(sizeof(float) * no);
+        ref[i] = malloc(sizeof(double) * no);
+        bias[i] = malloc(sizeof(float) * (size_t)OC[i]);
+        tu_fill(bias[i], (size_t)OC[i], seed + 20 + (uint64_t)i, -1.0f, 1.0f);
+        tu_poison(out[i], no);
+        tu_poison(alone[i], no);
+        const float *b = with_bias && i != 1 ? bias[i] : NULL;
+        o[i] = (amx_out_t){out[i], b, OC[i]};
+        oa[i] = (amx_out_t){alone[i], b, OC[i]};
+        amx_matmul_bf16(plain[i], x, w[i], b, T, C, OC[i]);
+        reference(ref[i], x, w[i], b, T, C, OC[i]);
+    }
+    amx_matmul_packed(o, NW, x, wp, T, C);
+    amx_matmul_packed(oa, NW, x, wp, TA, C);
+    for (int i = 0; i < NW; i++) {
+        size_t no = (size_t)T * OC[i];
+        char what[96];
+        snprintf(what, sizeof what, "packed T %d C %d OC %d bias %d", T, C, OC[i], with_bias);
+        TU_ASSERT_CLOSE(tu_rel_err_fd(out[i], ref[i], no, 1.0), 2e-6, what);
+        CU_ASSERT(memcmp(out[i], plain[i], sizeof(float) * no) == 0);
+        CU_ASSERT(memcmp(out[i], alone[i], sizeof(float) * (size_t)TA * OC[i]) == 0);
+        free(w[i]), free(out[i]), free(plain[i]), free(alone[i]), free(ref[i]), free(bias[i]);
+    }
+    free(wp), free(x);
+}
+
+static void test_packed(void) {
+    if (!amx_matmul_available()) {
+        tu_report("no AMX: packed products not run (the engine keeps the plain kernels)");
+        return;
+    }
+    const int Ts[] = {1, 16, 17, 40, 300};
+    const int Cs[] = {32, 96};
+    uint64_t seed = 200;
+    for (size_t a = 0; a < sizeof Ts / sizeof *Ts; a++)
+        for (size_t b = 0; b < sizeof Cs / sizeof *Cs; b++, seed += 7)
+            packed_case(Ts[a], Cs[b], (int)(seed & 1), seed);
+    /* the same bits on one and two threads */
+    enum { T = 70, C = 64, OC = 100 };
+    uint16_t *w = make_w(OC, C, 300), *wp = malloc(sizeof(uint16_t) * amx_packed_elems(OC, C));
+    float *x = malloc(sizeof(float) * T * C), *a = malloc(sizeof(float) * T * OC);
+    float *b = malloc(sizeof(float) * T * OC);
+    tu_fill(x, (size_t)T * C, 301, -2.0f, 2.0f);
+    amx_pack_bf16(wp, w, OC, C);
+    int threads = backend_cpu_threads();
+    tu_poison(a, (size_t)T * OC);
+    tu_poison(b, (size_t)T * OC);
+    backend_cpu_set_threads(1);
+    amx_matmul_packed(&(amx_out_t){a, NULL, OC}, 1, x, wp, T, C);
+    backend_cpu_set_threads(2);
+    amx_matmul_packed(&(amx_out_t){b, NULL, OC}, 1, x, wp, T, C);
+    backend_cpu_set_threads(threads);
+    CU_ASSERT(memcmp(a, b, sizeof(float) * T * OC) == 0);
+    free(w), free(wp), free(x), free(a), free(b);
+}
+
+/* Gate and up as one product (amx_matmul_glu), T rows: h against the double reference
+ * silu(g) u, g and u (h NULL) the same bits as amx_matmul_packed on gate and up packed
+ * back to back, and the first rows of h the same bits when computed alone. */
+static void glu_case(int T, int C, int F, uint64_t seed) {
+    size_t nx = (size_t)T * C, nf = (size_t)T * F, pe = amx_packed_elems(F, C);
+    uint16_t *wg = make_w(F, C, seed), *wu = make_w(F, C, seed + 1);
+    uint16_t *glu = malloc(sizeof(uint16_t) * 2 * pe), *seq = malloc(sizeof(uint16_t) * 2 * pe);
+    float *x = malloc(sizeof(float) * nx), *h = malloc(sizeof(float) * nf);
+    float *g = malloc(sizeof(float) * nf), *u = malloc(sizeof(float) * nf);
+    float *g2 = malloc(sizeof(float) * nf), *u2 = malloc(sizeof(float) * nf);
+    float *ha = malloc(sizeof(float) * nf);
+    double *rg = malloc(sizeof(double) * nf), *ru = malloc(sizeof(double) * nf);
+    tu_fill(x, nx, seed + 2, -1.0f, 1.0f);
+    for (size_t i = 0; i < nx; i += 3)
+        x[i] *= 1e-3f;
+    amx_pack_bf16_glu(glu, wg, wu, F, C);
+    amx_pack_bf16(seq, wg, F, C);
+    amx_pack_bf16(seq + pe, wu, F, C);
+    tu_poison(h, nf);
+    tu_poison(g, nf);
+    tu_poison(u, nf);
+    tu_poison(ha, nf);
+    amx_matmul_glu(h, NULL, NULL, x, glu, T, C, F);
+    amx_matmul_glu(NULL, g, u, x, glu, T, C, F);
+    int TA = T < 3 ? T : 3;
+    amx_matmul_glu(ha, NULL, NULL, x, glu, TA, C, F);
+    amx_out_t o[2] = {{g2, NULL, F}, {u2, NULL, F}};
+    amx_matmul_packed(o, 2, x, seq, T, C);
+    reference(rg, x, wg, NULL, T, C, F);
+    reference(ru, x, wu, NULL, T, C, F);
+    for (size_t i = 0; i < nf; i++)
+        rg[i] = rg[i] / (1.0 + exp(-rg[i])) * ru[i];
+    char what[96];
+    snprintf(what, sizeof what, "glu T %d C %d F %d", T, C, F);
+    TU_ASSERT_CLOSE(tu_rel_err_fd(h, rg, nf, 1.0), 1e-5, what);
+    CU_ASSERT(memcmp(g, g2, sizeof(float) * nf) == 0);
+    CU_ASSERT(memcmp(u, u2, sizeof(float) * nf) == 0);
+    CU_ASSERT(memcmp(h, ha, sizeof(float) * (size_t)TA * F) == 0);
+    free(wg), free(wu), free(glu), free(seq), free(x), free(h), free(g), free(u), free(g2);
+    free(u2), free(ha), free(rg), free(ru);
+}
+
+static void test_glu(void) {
+    if (!amx_matmul_available()) {
+        tu_report("no AMX: gate and up products not run (the engine keeps the plain kernels)");
+        return;
+    }
+    glu_case(1, 64, 40, 600);
+    glu_case(33, 96, 48, 610);
+    glu_case(300, 32, 20, 620);
+}
+
+/* The packed layout itself: output 16 b + n, column 32 kb + 2 k2 + q at [b][kb][k2][n][q],
+ * zeros past OC. */
+static void test_pack_layout(void) {
+    enum { OC = 20, C = 64 };
+    uint16_t *w = make_w(OC, C, 400), *wp = malloc(sizeof(uint16_t) * amx_packed_elems(OC, C));
+    CU_ASSERT_EQUAL(amx_packed_elems(OC, C), (size_t)32 * C);
+    memset(wp, 0xff, sizeof(uint16_t) * amx_packed_elems(OC, C));
+    amx_pack_bf16(wp, w, OC, C);
+    int bad = 0;
+    for (int o = 0; o < 32; o++)
+        for (int c = 0; c < C; c++) {
+            int b = o / 16, n = o % 16, kb = c / 32, k2 = (c % 32) / 2, q = c % 2;
+            uint16_t got = wp[((((size_t)b * (C / 32) + kb) * 16 + k2) * 16 + n) * 2 + q];
+            bad += got != (o < OC ? w[(size_t)o * C + c] : 0);
+        }
+    CU_ASSERT_EQUAL(bad, 0);
+    free(w), free(wp);
+}
+
+/* Forced off, the tiles are not used: amx_matmul_available answers 0 and
+ * amx_matmul_forward is the CPU kernel (the same bits as cpu_matmul_forward). */
+static void test_forced_off(void) {
+    enum { T = 24, C = 64, OC = 40 };
+    uint16_t *w = make_w(OC, C, 500);
+    float *x = malloc(sizeof(float) * T * C), *a = malloc(sizeof(float) * T * OC);
+    float *b = malloc(sizeof(float) * T * OC);
+    tu_fill(x, (size_t)T * C, 501, -2.0f, 2.0f);
+    wview_t wv = wview_of(w, DT_BF16);
+    amx_matmul_force_off(1);
+    CU_ASSERT_EQUAL(amx_matmul_available(), 0);
+    CU_ASSERT_EQUAL(amx_matmul_fits(&wv, T, C), 0);
+    tu_poison(a, (size_t)T * OC);
+    tu_poison(b, (size_t)T * OC);
+    amx_matmul_forward(a, x, &wv, NULL, T, C, OC);
+    cpu_matmul_forward(b, x, &wv, NULL, T, C, OC);
+    CU_ASSERT(memcmp(a, b, sizeof(float) * T * OC) == 0);
+    check(37, 96, 45, 1, 502); /* the fallback against the reference */
+    amx_matmul_force_off(0);
+    free(w), free(x), free(a), free(b);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"products vs double reference", test_shapes},
         {"rows independent of the batch and threads", test_rows_independent},
         {"more rows than one chunk", test_row_chunks},
+        {"packed weights: several outputs in one product", test_packed},
+        {"packed layout", test_pack_layout},
+        {"gate and up as one product, SwiGLU from the accumulators", test_glu},
+        {"tiles forced off: the CPU kernel", test_forced_off},
         CU_TEST_INFO_NULL,
     };
     return tu_main("amx_matmul", tests);
