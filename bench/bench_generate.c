@@ -269,8 +269,9 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
                m->cfg.model_type, m->L, m->D, m->H, m->Hkv, m->E, m->K, m->V, NP, G, P, N,
                a->threads);
         printf("moerl products with bf16 weights: %s\n",
-               amx_matmul_available() ? "AMX tiles (activations split into 3 bf16 parts)"
-                                      : "vector units (CPU kernel table)");
+               amx_matmul_available()
+                   ? "AMX tiles, packed weight copies (activations split into 3 bf16 parts)"
+                   : "vector units (CPU kernel table)");
         show("moerl batched", &batched);
         show("moerl single", &single);
         if (!a->no_peer) {

@@ -76,6 +76,7 @@ typedef struct config_rollout {
     int max_batch;
     char *prompt_template; /* contains "{prompt}" once */
     bool merge_adapter;
+    bool packed_weights;
     bool record_prompt_routing;
 } config_rollout_t;
 

@@ -132,6 +132,9 @@ const cfg_key_t cfg_keys[] = {
     K_BOOL(rollout, merge_adapter, "false",
            "Merge the adapter into a copy of the adapted base weights for generation (faster "
            "decode, more memory)."),
+    K_BOOL(rollout, packed_weights, "true",
+           "On CPUs with AMX tiles, keep a copy of the bf16 weights in the tiles' layout "
+           "(faster generation, one more copy of those weights in memory)."),
     K_BOOL(rollout, record_prompt_routing, "false",
            "Also record the experts chosen for prompt tokens, so replay covers the whole "
            "sequence."),

@@ -1,11 +1,13 @@
 /* decode: incremental forward of new tokens with a KV cache, and merged adapters. */
 #include "rollout/decode.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/cpu/cpu_kernels.h"
 #include "core/status.h"
+#include "moe/router.h"
 #include "rollout/amx_matmul.h"
 #include "rollout/attn_decode.h"
 
@@ -23,6 +25,10 @@ static void bind_layer(rl_layer_t *r, const model_layer_t *ly) {
     free(r->absorbed); /* built again from the weights now bound */
     r->absorbed = NULL;
     r->ly = ly;
+    r->attn_norm = ly->attn_norm;
+    r->q_norm = ly->q_norm;
+    r->k_norm = ly->k_norm;
+    r->mlp_norm = ly->mlp_norm;
     r->wq = ly->wq;
     r->wk = ly->wk;
     r->wv = ly->wv;
@@ -55,7 +61,107 @@ static void base_layer(rl_layer_t *r, const model_layer_t *ly, int E) {
     }
 }
 
-int rl_weights_init(rl_weights_t *w, const model_t *m) {
+/* The packed copies: a weight packs when it is bf16 without block scales, present (not
+ * dropped by expert parallelism) and its input width a multiple of 32. */
+static int packs(const wview_t *v, int C) {
+    return v->data && v->dtype == DT_BF16 && !v->scale && C % 32 == 0;
+}
+
+/* Weights v (n, each (OC[i], C)) packed back to back into p at buf + at (buf NULL: only
+ * counted); returns at plus the elements they take, or at when one of them does not
+ * pack (p->w stays NULL). */
+static size_t pack_set(rl_pack_t *p, uint16_t *buf, size_t at, const wview_t *const *v,
+                       const int *OC, int n, int C) {
+    memset(p, 0, sizeof *p);
+    size_t need = 0;
+    for (int i = 0; i < n; i++) {
+        if (!packs(v[i], C))
+            return at;
+        need += amx_packed_elems(OC[i], C);
+    }
+    if (buf) {
+        size_t o = at;
+        for (int i = 0; i < n; i++) {
+            amx_pack_bf16(buf + o, (const uint16_t *)v[i]->data, OC[i], C);
+            p->src[i] = v[i]->data;
+            o += amx_packed_elems(OC[i], C);
+        }
+        p->w = buf + at;
+    }
+    return at + need;
+}
+
+/* An MLP's gate and up (one product, amx_pack_bf16_glu) and down. */
+static size_t pack_mlp(rl_pack_t *gu, rl_pack_t *dn, uint16_t *buf, size_t at,
+                       const mlp_weights_t *mw, int D, int F) {
+    const wview_t *d1[1] = {&mw->down};
+    int oc1[1] = {D};
+    memset(gu, 0, sizeof *gu);
+    if (packs(&mw->gate, D) && packs(&mw->up, D)) {
+        if (buf) {
+            amx_pack_bf16_glu(buf + at, (const uint16_t *)mw->gate.data,
+                              (const uint16_t *)mw->up.data, F, D);
+            gu->w = buf + at;
+            gu->src[0] = mw->gate.data;
+            gu->src[1] = mw->up.data;
+        }
+        at += 2 * amx_packed_elems(F, D);
+    }
+    return pack_set(dn, buf, at, d1, oc1, 1, F);
+}
+
+/* Layer r's packed copies from its views into buf (NULL: counts the elements). */
+static size_t pack_layer(rl_layer_t *r, const model_t *m, uint16_t *buf) {
+    int D = m->D, qd = m->H * m->Dh, kvd = m->Hkv * m->Dh;
+    size_t at = 0;
+    if (!m->mla) {
+        const wview_t *qkv[3] = {&r->wq, &r->wk, &r->wv}, *o[1] = {&r->wo};
+        int oc3[3] = {qd, kvd, kvd}, oc1[1] = {D};
+        at = pack_set(&r->qkv, buf, at, qkv, oc3, 3, D);
+        at = pack_set(&r->o, buf, at, o, oc1, 1, qd);
+    }
+    if (!r->ly->moe)
+        return pack_mlp(&r->mlp_gu, &r->mlp_down, buf, at, &r->dense, D,
+                        m->cfg.intermediate_size);
+    const wview_t *rv[1] = {&r->moe_w.router};
+    int E = r->moe_cfg.router.E, F = r->moe_cfg.F;
+    at = pack_set(&r->router, buf, at, rv, &E, 1, D);
+    for (int e = 0; e < E; e++) {
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        at = pack_mlp(&r->exp_gu[e], &r->exp_down[e], buf, at, &mw, D, F);
+    }
+    if (r->moe_cfg.n_shared > 0)
+        at = pack_mlp(&r->mlp_gu, &r->mlp_down, buf, at, &r->moe_w.shared, D,
+                      r->moe_cfg.n_shared * F);
+    return at;
+}
+
+/* Every layer's packed copies, made again from the views as they are now. */
+static int pack_all(rl_weights_t *w, const model_t *m) {
+    for (int l = 0; l < m->L; l++) {
+        rl_layer_t *r = &w->layers[l];
+        if (r->ly->moe && !r->exp_gu) {
+            r->exp_gu = calloc(2 * (size_t)m->E, sizeof *r->exp_gu);
+            if (!r->exp_gu)
+                return mo_errorf(MO_ENOMEM, "rollout: out of memory for packed weights");
+            r->exp_down = r->exp_gu + m->E;
+        }
+        size_t n = pack_layer(r, m, NULL);
+        free(r->pbuf);
+        r->pbuf = n ? malloc(sizeof(uint16_t) * n) : NULL;
+        if (n && !r->pbuf) {
+            pack_layer(r, m, NULL); /* nothing packed */
+            return mo_errorf(MO_ENOMEM,
+                             "rollout: out of memory for the packed weights of layer %d (%zu "
+                             "MiB)",
+                             l, sizeof(uint16_t) * n >> 20);
+        }
+        pack_layer(r, m, r->pbuf);
+    }
+    return MO_OK;
+}
+
+int rl_weights_init(rl_weights_t *w, const model_t *m, int pack) {
     memset(w, 0, sizeof *w);
     w->k = *m->k;
     if (m->k->matmul_forward == cpu_matmul_forward && amx_matmul_available())
@@ -65,18 +171,21 @@ int rl_weights_init(rl_weights_t *w, const model_t *m) {
     if (!w->layers)
         return mo_errorf(MO_ENOMEM, "rollout: out of memory for %d layers", m->L);
     rl_weights_bind(w, m);
-    return MO_OK;
+    w->packed = pack && w->k.matmul_forward == amx_matmul_forward;
+    return w->packed ? pack_all(w, m) : MO_OK;
 }
 
 void rl_weights_model(const rl_weights_t *w, const model_t *m, model_t *out) {
     *out = *m;
     out->k = &w->k;
+    out->final_norm = w->final_norm;
 }
 
 void rl_weights_bind(rl_weights_t *w, const model_t *m) {
     MO_ASSERT(!w->merged);
     for (int l = 0; l < m->L; l++)
         bind_layer(&w->layers[l], &m->layers[l]);
+    w->final_norm = m->final_norm;
 }
 
 void rl_weights_free(rl_weights_t *w) {
@@ -84,6 +193,8 @@ void rl_weights_free(rl_weights_t *w) {
         for (int l = 0; l < w->L; l++) {
             free(w->layers[l].experts);
             free(w->layers[l].absorbed);
+            free(w->layers[l].exp_gu);
+            free(w->layers[l].pbuf);
         }
     for (int i = 0; w->copies && i < w->n_modules; i++)
         free(w->copies[i]);
@@ -170,19 +281,90 @@ static int merge_module(rl_weights_t *w, const model_t *m, int i, const wview_t 
     return MO_OK;
 }
 
-int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad) {
-    if (!w->merged)
-        TRY(merged_tables(w, m));
-    /* Back to the base everywhere, then fold the adapter in module by module. */
+/* Every layer back to the model's weights. */
+static void restore_base(rl_weights_t *w, const model_t *m) {
     for (int l = 0; l < m->L; l++)
         base_layer(&w->layers[l], &m->layers[l], m->E);
+    w->final_norm = m->final_norm;
+}
+
+/* The slot in layer l that full tensor name stands for (and its shape), or NULL: the
+ * names model_adapter_add_full gives. A router slot is returned through *router. */
+static const float **full_slot(rl_weights_t *w, const model_t *m, const char *name, int *rows,
+                               int *cols, wview_t **router) {
+    char nm[160];
+    *router = NULL;
+    *cols = 1;
+    *rows = m->D;
+    if (strcmp(name, "model.norm.weight") == 0)
+        return &w->final_norm;
+    const char *blk = m->cfg.arch == ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+    for (int l = 0; l < m->L; l++) {
+        rl_layer_t *r = &w->layers[l];
+        const model_layer_t *ly = &m->layers[l];
+        struct {
+            const char *what;
+            const float **slot;
+            int n;
+        } norms[6] = {
+            {"input_layernorm", &r->attn_norm, m->D},
+            {"post_attention_layernorm", &r->mlp_norm, m->D},
+            {"self_attn.q_norm", ly->q_norm ? &r->q_norm : NULL, m->Dh},
+            {"self_attn.k_norm", ly->q_norm ? &r->k_norm : NULL, m->Dh},
+            {"self_attn.q_a_layernorm", m->mla && ly->mla.q_a_norm ? &r->mla.q_a_norm : NULL,
+             m->mla_cfg.q_rank},
+            {"self_attn.kv_a_layernorm", m->mla ? &r->mla.kv_a_norm : NULL, m->mla_cfg.kv_rank},
+        };
+        for (int i = 0; i < 6; i++) {
+            snprintf(nm, sizeof nm, "model.layers.%d.%s.weight", l, norms[i].what);
+            if (norms[i].slot && strcmp(name, nm) == 0) {
+                *rows = norms[i].n;
+                return norms[i].slot;
+            }
+        }
+        snprintf(nm, sizeof nm, "model.layers.%d.%s.gate.weight", l, blk);
+        if (ly->moe && strcmp(name, nm) == 0) {
+            *rows = m->E;
+            *cols = m->D;
+            *router = &r->moe_w.router;
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
+/* The routers and norms ad trains in full in place of the model's (merged mode). */
+static int merge_full(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad) {
+    for (int t = ad->n_tensors - ad->n_full; t < ad->n_tensors; t++) {
+        const lora_tensor_t *lt = &ad->tensors[t];
+        int rows, cols;
+        wview_t *router;
+        const float **slot = full_slot(w, m, lt->name, &rows, &cols, &router);
+        if (!slot && !router)
+            return mo_errorf(MO_EINVAL,
+                             "adapter full tensor \"%s\" is not a trainable weight of this model",
+                             lt->name);
+        if (lt->shape[0] != rows || lt->shape[1] != cols)
+            return mo_errorf(MO_EINVAL,
+                             "adapter full tensor \"%s\" is (%lld, %lld), the model's weight is "
+                             "(%d, %d)",
+                             lt->name, (long long)lt->shape[0], (long long)lt->shape[1], rows,
+                             cols);
+        const float *v = ad->params + lt->offset;
+        if (router)
+            *router = wview_f32(v);
+        else
+            *slot = v;
+    }
+    return MO_OK;
+}
+
+/* rl_weights_merge on tables already in merged mode, from the base. */
+static int merge_in(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad) {
+    restore_base(w, m);
     if (!ad)
         return MO_OK;
-    if (ad->n_full > 0)
-        return mo_errorf(MO_EUNSUPPORTED,
-                         "rollout: the adapter trains router or norm weights in full (\"%s\"); "
-                         "they are applied unmerged only: run the adapter unmerged",
-                         ad->tensors[ad->n_tensors - ad->n_full].name);
+    TRY(merge_full(w, m, ad));
     int matched = 0;
     for (int i = 0; i < m->n_modules; i++) {
         const lora_module_desc_t *d = &m->modules[i];
@@ -197,23 +379,29 @@ int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad
                              d->name, en->OC, en->C, d->OC, d->C);
         wview_t base = *w->targets[i];
         lora_pair_t p = lora_adapter_pair(ad, e, 0);
-        int rc = merge_module(w, m, i, &base, &p);
-        if (rc < 0) {
-            for (int l = 0; l < m->L; l++)
-                base_layer(&w->layers[l], &m->layers[l], m->E);
-            return rc;
-        }
+        TRY(merge_module(w, m, i, &base, &p));
         matched++;
     }
-    if (matched != ad->n_entries) {
-        for (int l = 0; l < m->L; l++)
-            base_layer(&w->layers[l], &m->layers[l], m->E);
+    if (matched != ad->n_entries)
         return mo_errorf(MO_EINVAL,
                          "adapter: %d of its %d modules are not projections of this "
                          "model",
                          ad->n_entries - matched, ad->n_entries);
-    }
     return MO_OK;
+}
+
+int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad) {
+    if (!w->merged)
+        TRY(merged_tables(w, m));
+    int rc = merge_in(w, m, ad);
+    if (rc < 0)
+        restore_base(w, m);
+    if (w->packed) { /* the merged copies (or the base again) */
+        int prc = pack_all(w, m);
+        if (rc == MO_OK)
+            rc = prc;
+    }
+    return rc;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -229,6 +417,72 @@ static int proj(const model_t *m, arena_t *ar, float *out, const float *inp, con
         lora_forward(m->k, out, xa, inp, p, N, C, OC);
     }
     return MO_OK;
+}
+
+/* The packed copy p stands in for the views v (n): packed from them. It does at any row
+ * count: a matrix-vector product reads the weights once either way, and a row's result
+ * then never depends on how many rows run with it. */
+static int pack_ok(const rl_pack_t *p, const wview_t *const *v, int n, int N) {
+    if (!p->w || N < 1)
+        return 0;
+    for (int i = 0; i < n; i++)
+        if (v[i]->data != p->src[i])
+            return 0;
+    return 1;
+}
+
+/* out[i] (N, OC[i]) = inp (N, C) W_i^T (+ adapter lp[i]) for the n weights v: one packed
+ * product over p when it stands in for them (one split of inp), one product each
+ * otherwise. The same bits either way (amx_matmul_packed). lp NULL: no adapters. */
+static int proj_n(const model_t *m, arena_t *ar, const rl_pack_t *p, float *const *out,
+                  const float *inp, const wview_t *const *v, const lora_pair_t *const *lp,
+                  const int *OC, int n, int N, int C) {
+    if (!pack_ok(p, v, n, N)) {
+        for (int i = 0; i < n; i++)
+            TRY(proj(m, ar, out[i], inp, v[i], lp ? lp[i] : NULL, N, C, OC[i]));
+        return MO_OK;
+    }
+    amx_out_t o[3];
+    MO_ASSERT(n <= 3);
+    for (int i = 0; i < n; i++)
+        o[i] = (amx_out_t){out[i], NULL, OC[i]};
+    amx_matmul_packed(o, n, inp, p->w, N, C);
+    for (int i = 0; lp && i < n; i++)
+        if (lp[i]) {
+            float *xa; /* (N, R) */
+            ALLOC(xa, ar, (size_t)N * lp[i]->R);
+            lora_forward(m->k, out[i], xa, inp, lp[i], N, C, OC[i]);
+        }
+    return MO_OK;
+}
+
+/* y (N, D) = (silu(x Wg^T) * x Wu^T) Wd^T with the MLP's adapters; gate and up as one
+ * product over gu when packed (SwiGLU taken from the accumulators when neither has an
+ * adapter), down over dn; g, u, h (N, F) temporaries. */
+static int mlp_rows(const model_t *m, arena_t *ar, float *y, const float *x,
+                    const mlp_weights_t *w, const rl_pack_t *gu, const rl_pack_t *dn, float *g,
+                    float *u, float *h, int N, int D, int F) {
+    const wview_t *gu_v[2] = {&w->gate, &w->up}, *dn_v[1] = {&w->down};
+    const lora_pair_t *gu_l[2] = {w->lora_gate, w->lora_up}, *dn_l[1] = {w->lora_down};
+    if (pack_ok(gu, gu_v, 2, N) && !gu_l[0] && !gu_l[1]) {
+        amx_matmul_glu(h, NULL, NULL, x, gu->w, N, D, F);
+    } else {
+        if (pack_ok(gu, gu_v, 2, N)) {
+            amx_matmul_glu(NULL, g, u, x, gu->w, N, D, F);
+        } else {
+            TRY(proj(m, ar, g, x, &w->gate, NULL, N, D, F));
+            TRY(proj(m, ar, u, x, &w->up, NULL, N, D, F));
+        }
+        float *gu_out[2] = {g, u};
+        for (int i = 0; i < 2; i++)
+            if (gu_l[i]) {
+                float *xa; /* (N, R) */
+                ALLOC(xa, ar, (size_t)N * gu_l[i]->R);
+                lora_forward(m->k, gu_out[i], xa, x, gu_l[i], N, D, F);
+            }
+        m->k->swiglu_forward(h, g, u, (size_t)N * F);
+    }
+    return proj_n(m, ar, dn, &y, h, dn_v, dn_l, &D, 1, N, F);
 }
 
 /* Per-head norm (when nw) and RoPE: raw (N, nh, Dh) -> out. */
@@ -377,19 +631,21 @@ static int attention(const model_t *m, arena_t *ar, float *o, const float *x, rl
     float *ln, *rstd, *q, *kk, *v, *qr, *kr, *att;
     ALLOC(ln, ar, (size_t)N * D);
     ALLOC(rstd, ar, N);
-    k->rmsnorm_forward(ln, rstd, x, r->ly->attn_norm, N, D, m->eps);
+    k->rmsnorm_forward(ln, rstd, x, r->attn_norm, N, D, m->eps);
     if (m->mla)
         return mla_attention(m, ar, o, ln, r, l, c, b);
     ALLOC(q, ar, (size_t)N * qd);
     ALLOC(kk, ar, (size_t)N * kvd);
     ALLOC(v, ar, (size_t)N * kvd);
-    TRY(proj(m, ar, q, ln, &r->wq, r->lq, N, D, qd));
-    TRY(proj(m, ar, kk, ln, &r->wk, r->lk, N, D, kvd));
-    TRY(proj(m, ar, v, ln, &r->wv, r->lv, N, D, kvd));
+    float *qkv_out[3] = {q, kk, v};
+    const wview_t *qkv_v[3] = {&r->wq, &r->wk, &r->wv}, *o_v[1] = {&r->wo};
+    const lora_pair_t *qkv_l[3] = {r->lq, r->lk, r->lv}, *o_l[1] = {r->lo};
+    int qkv_oc[3] = {qd, kvd, kvd};
+    TRY(proj_n(m, ar, &r->qkv, qkv_out, ln, qkv_v, qkv_l, qkv_oc, 3, N, D));
     ALLOC(qr, ar, (size_t)N * qd);
     ALLOC(kr, ar, (size_t)N * kvd);
-    TRY(norm_rope(m, ar, qr, q, r->ly->q_norm, b->pos, N, m->H));
-    TRY(norm_rope(m, ar, kr, kk, r->ly->k_norm, b->pos, N, m->Hkv));
+    TRY(norm_rope(m, ar, qr, q, r->q_norm, b->pos, N, m->H));
+    TRY(norm_rope(m, ar, kr, kk, r->k_norm, b->pos, N, m->Hkv));
     for (int i = 0; i < N; i++)
         kv_write(c, b->seqs[i], l, b->pos[i], kr + (size_t)i * kvd, v + (size_t)i * kvd);
     ALLOC(att, ar, (size_t)N * qd);
@@ -402,7 +658,7 @@ static int attention(const model_t *m, arena_t *ar, float *o, const float *x, rl
         attn_decode_forward(att, qr, c, l, (const kv_seq_t *const *)b->seqs, b->pos, N, m->H,
                             m->attn_scale, r->ly->window);
     }
-    return proj(m, ar, o, att, &r->wo, r->lo, N, qd, D);
+    return proj_n(m, ar, &r->o, &o, att, o_v, o_l, &D, 1, N, qd);
 }
 
 /* Copies MoE layer mi's experts idx (N, K) into the routing record (N, M, K). */
@@ -410,6 +666,63 @@ static void record(uint16_t *routing, const int32_t *idx, int N, int M, int K, i
     for (int i = 0; i < N; i++)
         for (int j = 0; j < K; j++)
             routing[((size_t)i * M + mi) * K + j] = (uint16_t)idx[(size_t)i * K + j];
+}
+
+static const rl_pack_t no_pack;
+
+/* out (N, D) = the MoE block on the normed rows x, as moe_forward with natural routing
+ * computes it (the same routing, dispatch and combine; each expert's gate and up as one
+ * product where packed); *idx (N, K) receives the experts. */
+static int moe_block(const model_t *m, arena_t *ar, float *out, const float *x, rl_layer_t *r,
+                     int N, const int32_t **idx_out) {
+    const moe_cfg_t *c = &r->moe_cfg;
+    int D = m->D, E = c->router.E, K = c->router.K, F = c->F;
+    size_t S = (size_t)N * K;
+    float *logits, *probs, *weight, *xg, *yg, *g, *u, *h;
+    int32_t *idx;
+    ALLOC(logits, ar, (size_t)N * E);
+    ALLOC(probs, ar, (size_t)N * E);
+    ALLOC(weight, ar, S);
+    ALLOC(idx, ar, S);
+    const wview_t *rv[1] = {&r->moe_w.router};
+    TRY(proj_n(m, ar, &r->router, &logits, x, rv, NULL, &E, 1, N, D));
+    TRY(router_forward(m->k, &c->router, idx, weight, probs, logits, N));
+    moe_dispatch_t plan;
+    TRY(moe_dispatch_plan(&plan, ar, idx, N, K, E));
+    ALLOC(xg, ar, S * D);
+    ALLOC(yg, ar, S * D);
+    moe_dispatch_forward(xg, x, &plan, D);
+    int most = 0;
+    for (int e = 0; e < E; e++)
+        if (plan.offsets[e + 1] - plan.offsets[e] > most)
+            most = plan.offsets[e + 1] - plan.offsets[e];
+    ALLOC(g, ar, (size_t)most * F);
+    ALLOC(u, ar, (size_t)most * F);
+    ALLOC(h, ar, (size_t)most * F);
+    for (int e = 0; e < E; e++) {
+        int rows = plan.offsets[e + 1] - plan.offsets[e];
+        if (rows == 0)
+            continue;
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        size_t at = (size_t)plan.offsets[e] * D;
+        TRY(mlp_rows(m, ar, yg + at, xg + at, &mw, r->exp_gu ? &r->exp_gu[e] : &no_pack,
+                     r->exp_down ? &r->exp_down[e] : &no_pack, g, u, h, rows, D, F));
+    }
+    moe_combine_forward(out, yg, weight, &plan, D);
+    if (c->n_shared > 0) {
+        int Fs = c->n_shared * F;
+        float *ys;
+        ALLOC(ys, ar, (size_t)N * D);
+        ALLOC(g, ar, (size_t)N * Fs);
+        ALLOC(u, ar, (size_t)N * Fs);
+        ALLOC(h, ar, (size_t)N * Fs);
+        TRY(mlp_rows(m, ar, ys, x, &r->moe_w.shared, &r->mlp_gu, &r->mlp_down, g, u, h, N, D,
+                     Fs));
+        for (size_t i = 0; i < (size_t)N * D; i++)
+            out[i] += ys[i];
+    }
+    *idx_out = idx;
+    return MO_OK;
 }
 
 static int layer(const model_t *m, arena_t *ar, float *x, rl_layer_t *r, int l, kv_cache_t *c,
@@ -423,20 +736,22 @@ static int layer(const model_t *m, arena_t *ar, float *x, rl_layer_t *r, int l, 
         x[i] += o[i]; /* h = x + attention */
     ALLOC(ln, ar, ND);
     ALLOC(rstd, ar, N);
-    m->k->rmsnorm_forward(ln, rstd, x, r->ly->mlp_norm, N, D, m->eps);
+    m->k->rmsnorm_forward(ln, rstd, x, r->mlp_norm, N, D, m->eps);
     float *ff = o;
     if (r->ly->moe) {
-        moe_state_t st;
-        int rc = moe_forward(m->k, ar, &st, ff, ln, &r->moe_cfg, &r->moe_w, N, NULL, DT_U16);
+        const int32_t *idx = NULL;
+        int rc = moe_block(m, ar, ff, ln, r, N, &idx);
         if (rc < 0)
             return mo_error_wrap(rc, "layer %d", l);
         if (b->routing)
-            record(b->routing, st.idx, N, m->n_moe, m->K, r->ly->moe_index);
+            record(b->routing, idx, N, m->n_moe, m->K, r->ly->moe_index);
     } else {
-        mlp_acts_t acts;
+        float *g, *u, *h;
         int F = m->cfg.intermediate_size;
-        TRY(mlp_acts_alloc(&acts, ar, &r->dense, N, F));
-        mlp_forward(m->k, ff, &acts, ln, &r->dense, N, D, F);
+        ALLOC(g, ar, (size_t)N * F);
+        ALLOC(u, ar, (size_t)N * F);
+        ALLOC(h, ar, (size_t)N * F);
+        TRY(mlp_rows(m, ar, ff, ln, &r->dense, &r->mlp_gu, &r->mlp_down, g, u, h, N, D, F));
     }
     for (size_t i = 0; i < ND; i++)
         x[i] += ff[i];

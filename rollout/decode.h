@@ -37,11 +37,23 @@ extern "C" {
  * learner's forward of the whole sequence up to float rounding (matrix products batch
  * rows differently). All rows of all sequences go through each matrix product at once. */
 
+/* A weight, or several with the same input width run as one product, in the tiles'
+ * packed layout (amx_pack_bf16, back to back), with the data each was packed from: the
+ * packed copy stands in for the views only while they still point there (an adapter's
+ * full-trained f32 router, for one, runs unpacked). */
+typedef struct rl_pack {
+    const uint16_t *w;   /* NULL: not packed */
+    const void *src[3];  /* the views' data, in packing order */
+} rl_pack_t;
+
 /* One layer's weights as the engine runs them: the model's frozen views with its bound
  * adapters, or (merged mode) writable copies with the adapter folded in and no adapter
  * pointers. */
 typedef struct rl_layer {
-    const model_layer_t *ly; /* norms, window, kind */
+    const model_layer_t *ly; /* window, kind */
+    /* Norm weights: the model's as bound, or in merged mode the merged adapter's full
+     * tensors in place of the model's. MLA's are in mla. */
+    const float *attn_norm, *q_norm, *k_norm, *mlp_norm;
     wview_t wq, wk, wv, wo;
     const lora_pair_t *lq, *lk, *lv, *lo;
     mla_weights_t mla; /* MLA layers: views and adapters (model_t.mla) */
@@ -54,6 +66,12 @@ typedef struct rl_layer {
      * again (an adapter's values must not change between engine_set_adapter calls);
      * NULL until then. */
     float *absorbed;
+    /* Packed copies of the bf16 weights (rl_weights_t.packed): q, k and v as one product,
+     * o, the router, each expert's gate and up as one product and its down, the dense
+     * MLP's or the shared experts' likewise; all in pbuf. */
+    rl_pack_t qkv, o, router, mlp_gu, mlp_down;
+    rl_pack_t *exp_gu, *exp_down; /* (E) */
+    uint16_t *pbuf;
 } rl_layer_t;
 
 /* The layers of a model: views into the model's weights and bound adapter (call again
@@ -63,6 +81,11 @@ typedef struct rl_weights {
      * the CPU has AMX-BF16, products with bf16 weights run on the tiles
      * (rollout/amx_matmul.h: f32-exact activations, f32 accumulation). */
     kernels_t k;
+    /* 1: the bf16 weights have packed copies for the tiles (made by rl_weights_init, and
+     * again by rl_weights_merge for the merged copies); the products of
+     * AMX_MIN_ROWS rows or more read them. Costs one more copy of those weights. */
+    int packed;
+    const float *final_norm; /* the model's as bound, or the merged adapter's */
     int L;
     rl_layer_t *layers; /* (L) */
     /* Merged mode: one writable copy per adapted projection, in the model's module
@@ -73,15 +96,20 @@ typedef struct rl_weights {
     wview_t **targets; /* (n_modules) the rl_layer_t view each copy stands in for */
 } rl_weights_t;
 
-int rl_weights_init(rl_weights_t *w, const model_t *m);
+/* pack 1: packed copies of the bf16 weights where the tiles run the products (one more
+ * copy of those weights in memory); 0: none (the products read the weights in place). */
+int rl_weights_init(rl_weights_t *w, const model_t *m, int pack);
 /* *out = *m running on w's kernels (w->k): for model functions the engine calls. */
 void rl_weights_model(const rl_weights_t *w, const model_t *m, model_t *out);
 /* Unmerged: re-reads the model's views and bound adapters. */
 void rl_weights_bind(rl_weights_t *w, const model_t *m);
 /* Merged: the weights become base + scale B A for every module ad adapts (copies of the
  * base in its dtype, rounded once; see lora_merge), with no adapter applied at run time
- * (the model's own binding is ignored); ad NULL restores the base. MO_EUNSUPPORTED for
- * weights lora_merge cannot write (fp8), MO_EINVAL when ad does not fit the model. */
+ * (the model's own LoRA binding is ignored); the routers and norms ad trains in full
+ * (model_adapter_add_full) replace the model's, as binding ad would; ad NULL restores
+ * the base (the routers and norms the model has while no adapter is bound to it).
+ * MO_EUNSUPPORTED for weights lora_merge cannot write (fp8), MO_EINVAL when ad does not
+ * fit the model (a module, or a full tensor's name or shape). */
 int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad);
 void rl_weights_free(rl_weights_t *w);
 

@@ -99,6 +99,7 @@ void engine_opts_from_config(engine_opts_t *o, const moerl_config_t *c) {
     o->max_seq_len = c->model.max_seq_len;
     o->kv_cache_tokens = c->rollout.kv_cache_tokens;
     o->merge_adapter = c->rollout.merge_adapter;
+    o->no_packed_weights = !c->rollout.packed_weights;
 }
 
 gen_params_t gen_params_default(void) {
@@ -184,7 +185,7 @@ int engine_new(engine_t **out, model_t *m, const engine_opts_t *opts) {
     if (rc == MO_OK)
         rc = decode_kv_cache_init(&e->kv, m, e->opts.kv_cache_tokens, e->opts.block_tokens);
     if (rc == MO_OK)
-        rc = rl_weights_init(&e->w, m);
+        rc = rl_weights_init(&e->w, m, !e->opts.no_packed_weights);
     if (rc == MO_OK && e->opts.merge_adapter)
         rc = rl_weights_merge(&e->w, m, NULL);
     if (rc == MO_OK)

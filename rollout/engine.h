@@ -71,6 +71,9 @@ typedef struct engine_opts {
                               * ids (only each request's own) */
     int no_prefix_sharing;   /* 1: every sample runs its own prefill of the prompt (the
                               * default shares one prefill among a group's samples) */
+    int no_packed_weights;   /* 1: no packed copy of the bf16 weights for the AMX tiles
+                              * (saves one copy of them in memory; the products then read
+                              * the weights in place, slower). No effect without AMX. */
 } engine_opts_t;
 
 /* The rollout section of a job config (and model.max_seq_len) as engine options. */

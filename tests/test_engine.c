@@ -21,6 +21,8 @@
 #include "core/rng.h"
 #include "core/status.h"
 #include "lora/peft.h"
+#include "rollout/amx_matmul.h"
+#include "rollout/decode.h"
 #include "rollout/engine.h"
 #include "tests/testutil.h"
 
@@ -202,6 +204,9 @@ static void check_groups(model_t *m, gen_group_t **g, int n, const float *temps,
     CU_ASSERT_EQUAL(c.replay_diff, 0);
 }
 
+/* 1: the engines consistency() makes keep no packed weight copies. */
+static int no_packed;
+
 /* Requests with plain, truncated, greedy and tempered sampling; the learner runs at the
  * temperature the logprob is defined at (1 for greedy). */
 static void consistency(model_arch_t arch, dtype_t dt, int with_adapter, int merge) {
@@ -217,12 +222,13 @@ static void consistency(model_arch_t arch, dtype_t dt, int with_adapter, int mer
     o.max_seq_len = 96;
     o.tok = f.tok;
     o.merge_adapter = merge;
+    o.no_packed_weights = no_packed;
     engine_t *e = new_engine(&f, &o);
     CU_ASSERT_EQUAL_FATAL(engine_set_adapter(e, ad, 5), 0);
-    if (with_adapter == 2) /* the learner's forward below reads the adapter's norms */
-        CU_ASSERT(f.m->final_norm == ad->params + ad->tensors[ad->n_tensors - 1].offset);
     if (merge) /* the learner side runs the adapter unmerged */
         CU_ASSERT_EQUAL_FATAL(model_set_adapter(f.m, ad), 0);
+    if (with_adapter == 2) /* the learner's forward below reads the adapter's norms */
+        CU_ASSERT(f.m->final_norm == ad->params + ad->tensors[ad->n_tensors - 1].offset);
     int32_t p[4][24];
     const int P[4] = {5, 17, 1, 11};
     for (int k = 0; k < 4; k++)
@@ -261,26 +267,128 @@ static void test_consistency_qwen3(void) {
     consistency(ARCH_QWEN3_MOE, DT_BF16, 1, 0);
 }
 
-/* Routers and norms trained in full: applied by the unmerged engine (its logprobs are
- * the learner's with them bound), refused by the merged one. */
+/* The same requests on two engines of one model (the second one merged) with adapter ad:
+ * the same tokens, logprobs within LOGP_TOL. */
+static void merged_vs_unmerged(fx_t *f, const lora_adapter_t *ad) {
+    engine_opts_t o;
+    memset(&o, 0, sizeof o);
+    o.max_batch = 8;
+    o.max_seq_len = 64;
+    o.tok = f->tok;
+    engine_t *e[2];
+    gen_group_t *g[2][2];
+    int32_t p[2][12];
+    for (int k = 0; k < 2; k++)
+        prompt_of(p[k], 12, 40 + (uint64_t)k);
+    for (int v = 0; v < 2; v++) {
+        o.merge_adapter = v;
+        e[v] = new_engine(f, &o);
+        CU_ASSERT_EQUAL_FATAL(engine_set_adapter(e[v], ad, 1), 0);
+        gen_request_t r[2] = {request(1, p[0], 12, 3, 1.0f, 16, 7),
+                              request(2, p[1], 12, 2, 0.0f, 16, 8)};
+        CU_ASSERT_EQUAL_FATAL(engine_generate(e[v], r, 2, g[v]), 0);
+    }
+    double err = 0.0;
+    int diff = 0, n = 0;
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < g[0][i]->n; j++) {
+            const gen_sample_t *a = &g[0][i]->samples[j], *b = &g[1][i]->samples[j];
+            CU_ASSERT_EQUAL_FATAL(a->n_tokens, b->n_tokens);
+            for (int t = 0; t < a->n_tokens; t++) {
+                diff += a->tokens[t] != b->tokens[t];
+                err = fmax(err, fabs((double)a->logprobs[t] - b->logprobs[t]));
+                n++;
+            }
+        }
+    tu_report("%s merged vs unmerged, routers and norms in full: %d tokens, max |dlogp| %.3g",
+              f->m->cfg.model_type, n, err);
+    CU_ASSERT(n > 0);
+    CU_ASSERT_EQUAL(diff, 0);
+    TU_ASSERT_CLOSE(err, LOGP_TOL, "merged vs unmerged logprobs");
+    for (int v = 0; v < 2; v++) {
+        free_groups(g[v], 2);
+        engine_destroy(&e[v]);
+    }
+}
+
+/* Merged into bf16 copies where the CPU has AMX: every packed copy was made from the
+ * merged copies (the views' data), and holds their packed values. */
+static void check_packed_merge(const model_t *m, const lora_adapter_t *ad) {
+    if (!amx_matmul_available())
+        return;
+    rl_weights_t w;
+    CU_ASSERT_EQUAL_FATAL(rl_weights_init(&w, m, 1), 0);
+    CU_ASSERT_EQUAL_FATAL(rl_weights_merge(&w, m, ad), 0);
+    CU_ASSERT_EQUAL(w.packed, 1);
+    int bad = 0, n = 0;
+    for (int l = 0; l < m->L; l++) {
+        const rl_layer_t *r = &w.layers[l];
+        int qd = m->H * m->Dh;
+        bad += !r->qkv.w || r->qkv.src[0] != r->wq.data || r->o.src[0] != r->wo.data;
+        bad += r->attn_norm == m->layers[l].attn_norm; /* the adapter's norm */
+        if (r->ly->moe) {
+            bad += !r->exp_gu[0].w || r->exp_gu[0].src[0] != r->moe_w.gate[0].data;
+            bad += r->router.w && r->router.src[0] == r->moe_w.router.data; /* f32 router */
+        }
+        uint16_t *p = malloc(sizeof(uint16_t) * amx_packed_elems(qd, m->D));
+        amx_pack_bf16(p, r->wq.data, qd, m->D);
+        bad += memcmp(p, r->qkv.w, sizeof(uint16_t) * amx_packed_elems(qd, m->D)) != 0;
+        bad += r->wq.data == m->layers[l].wq.data; /* a merged copy */
+        free(p);
+        n++;
+    }
+    CU_ASSERT(n > 0);
+    CU_ASSERT_EQUAL(bad, 0);
+    rl_weights_free(&w);
+}
+
+/* Routers and norms trained in full, unmerged and merged: the engine's logprobs are the
+ * learner's with them bound, merged and unmerged engines agree, and a full tensor that
+ * names no weight of the model (or has the wrong shape) is refused by the merge. */
 static void test_full_tensors(void) {
     consistency(ARCH_QWEN3_MOE, DT_F32, 2, 0);
     consistency(ARCH_MIXTRAL, DT_F32, 2, 0);
     consistency(ARCH_DEEPSEEK_V3, DT_F32, 2, 0);
-    fx_t f;
-    fx_open(&f, ARCH_QWEN3_MOE, DT_F32);
-    lora_adapter_t *ad = make_adapter_full(f.m, 4);
-    engine_opts_t o;
-    memset(&o, 0, sizeof o);
-    o.max_batch = 4;
-    o.max_seq_len = 32;
-    o.merge_adapter = 1;
-    engine_t *e = new_engine(&f, &o);
-    CU_ASSERT_EQUAL(engine_set_adapter(e, ad, 1), MO_EUNSUPPORTED);
-    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "unmerged"));
-    engine_destroy(&e);
-    lora_adapter_destroy(&ad);
-    fx_close(&f);
+    consistency(ARCH_QWEN3_MOE, DT_F32, 2, 1);
+    consistency(ARCH_MIXTRAL, DT_F32, 2, 1);
+    consistency(ARCH_DEEPSEEK_V3, DT_F32, 2, 1);
+    /* bf16: the LoRA pairs' B zero, so that the merged copies are the base exactly (a
+     * merge into bf16 rounds); the copies are packed again for the tiles */
+    const model_arch_t archs[3] = {ARCH_QWEN3_MOE, ARCH_DEEPSEEK_V3, ARCH_QWEN3_MOE};
+    const dtype_t dts[3] = {DT_F32, DT_F32, DT_BF16};
+    for (int a = 0; a < 3; a++) {
+        fx_t f;
+        fx_open(&f, archs[a], dts[a]);
+        lora_adapter_t *ad = make_adapter_full(f.m, 4);
+        if (dts[a] == DT_BF16) {
+            for (int i = 0; i < ad->n_entries; i++) {
+                const lora_tensor_t *t = &ad->tensors[2 * i + 1];
+                memset(ad->params + t->offset, 0, sizeof(float) * t->numel);
+            }
+            check_packed_merge(f.m, ad);
+        }
+        merged_vs_unmerged(&f, ad);
+        engine_opts_t o;
+        memset(&o, 0, sizeof o);
+        o.max_batch = 4;
+        o.max_seq_len = 32;
+        o.merge_adapter = 1;
+        engine_t *e = new_engine(&f, &o);
+        lora_tensor_t *last = &ad->tensors[ad->n_tensors - 1]; /* model.norm.weight */
+        last->shape[0]--;
+        CU_ASSERT_EQUAL(engine_set_adapter(e, ad, 1), MO_EINVAL);
+        CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "model.norm.weight"));
+        last->shape[0]++;
+        char *name = last->name;
+        last->name = "model.no_such_norm.weight";
+        CU_ASSERT_EQUAL(engine_set_adapter(e, ad, 1), MO_EINVAL);
+        CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "no_such_norm"));
+        last->name = name;
+        CU_ASSERT_EQUAL(engine_set_adapter(e, ad, 1), 0);
+        engine_destroy(&e);
+        lora_adapter_destroy(&ad);
+        fx_close(&f);
+    }
 }
 
 static void test_consistency_mixtral(void) {
@@ -291,6 +399,30 @@ static void test_consistency_mixtral(void) {
 static void test_consistency_deepseek(void) {
     consistency(ARCH_DEEPSEEK_V3, DT_BF16, 0, 0);
     consistency(ARCH_DEEPSEEK_V3, DT_BF16, 1, 0);
+}
+
+/* Without packed weight copies (the tiles read the weights in place), and with the AMX
+ * tiles turned off (as on a CPU without them: the engine runs the CPU kernels, no packed
+ * copies): the engine still agrees with the learner. */
+static void test_without_amx(void) {
+    no_packed = 1;
+    consistency(ARCH_QWEN3_MOE, DT_BF16, 1, 0);
+    consistency(ARCH_DEEPSEEK_V3, DT_BF16, 0, 0);
+    no_packed = 0;
+    amx_matmul_force_off(1);
+    fx_t f;
+    fx_open(&f, ARCH_QWEN3_MOE, DT_BF16);
+    rl_weights_t w;
+    CU_ASSERT_EQUAL_FATAL(rl_weights_init(&w, f.m, 1), 0);
+    CU_ASSERT_EQUAL(w.packed, 0);
+    CU_ASSERT(w.k.matmul_forward == f.m->k->matmul_forward);
+    CU_ASSERT_PTR_NULL(w.layers[0].qkv.w);
+    rl_weights_free(&w);
+    fx_close(&f);
+    consistency(ARCH_QWEN3_MOE, DT_BF16, 1, 0);
+    consistency(ARCH_DEEPSEEK_V3, DT_BF16, 2, 0);
+    consistency(ARCH_QWEN3_MOE, DT_F32, 2, 1);
+    amx_matmul_force_off(0);
 }
 
 /* Merged into f32 copies: the learner's unmerged forward still agrees. */
@@ -822,6 +954,10 @@ static void test_from_config(void) {
     CU_ASSERT_EQUAL(o.kv_cache_tokens, 5000);
     CU_ASSERT_EQUAL(o.max_seq_len, 300);
     CU_ASSERT_EQUAL(o.merge_adapter, 1);
+    CU_ASSERT_EQUAL(o.no_packed_weights, 0);
+    CU_ASSERT_EQUAL(config_set(&cfg, "rollout.packed_weights", "false"), 0);
+    engine_opts_from_config(&o, &cfg);
+    CU_ASSERT_EQUAL(o.no_packed_weights, 1);
     gen_params_t p;
     gen_params_from_config(&p, &cfg);
     CU_ASSERT(fabsf(p.sampling.temperature - 0.6f) < 1e-7f);
@@ -971,8 +1107,9 @@ int main(void) {
         {"deepseek_v3 (MLA, shared expert, sigmoid router) vs the learner",
          test_consistency_deepseek},
         {"KV cache bytes per token: the MLA latent", test_kv_memory},
+        {"no packed weights; without the AMX tiles", test_without_amx},
         {"merged adapter vs the learner", test_merged_adapter},
-        {"routers and norms trained in full: unmerged only", test_full_tensors},
+        {"routers and norms trained in full, unmerged and merged", test_full_tensors},
         {"batch vs one by one vs one thread", test_batch_vs_single},
         {"shared vs separate prefill", test_prefix_sharing},
         {"adapter swap mid-generation (unmerged and merged)", test_adapter_swap},
