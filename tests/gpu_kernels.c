@@ -20,101 +20,12 @@
 #include "core/dtype.h"
 #include "core/kernels.h"
 #include "core/status.h"
+#include "tests/gpu_testutil.h"
 #include "tests/testutil.h"
 
-/* f32 ops with reductions (matmul with f32 weights, rmsnorm, softmax,
- * attention, logprob): sums in a different order than the CPU's. */
-#define TOL_F32 1e-5
-/* Elementwise f32 ops (swiglu, rope, adamw): a few ulp from expf/cosf/sinf
- * and fused multiply-adds. */
-#define TOL_EW 1e-6
-/* Products with bf16, f16 or fp8 weights against the CPU's f32 product: the
- * activations are rounded to bf16 (f16) for the product. */
-#define TOL_LOWP 1e-2
-/* The same products against the CPU run on activations rounded the same way
- * (weights and power-of-two block scales are exact in bf16): only the
- * summation differs (tensor-core f32 accumulation may round toward zero, a
- * bias of up to ~1e-4 over 4096 terms); a wrong index or scale gives ~1. */
-#define TOL_LOWP_ROUNDED 5e-4
-/* A backward run on prefilled gradients against prefill + increments. */
-#define TOL_ACC 1e-6
-
-static const backend_t *g_gpu;
 static const kernels_t *KG, *KC; /* CUDA and CPU tables */
 
-/* ---- device buffers ---- */
-
-static void *dnew(size_t nb) {
-    void *p = NULL;
-    CU_ASSERT_FATAL(g_gpu->alloc(g_gpu, &p, nb) == 0);
-    return p;
-}
-
-static void *dput(const void *h, size_t nb) {
-    void *d = dnew(nb);
-    CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d, DEV_CUDA, h, DEV_CPU, nb) == 0);
-    return d;
-}
-
-static void dset(void *d, const void *h, size_t nb) {
-    CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d, DEV_CUDA, h, DEV_CPU, nb) == 0);
-}
-
-/* n floats of NaN on the device. */
-static float *dpoison(size_t n) {
-    float *h = malloc((n ? n : 1) * sizeof(float));
-    tu_poison(h, n);
-    float *d = dput(h, n * sizeof(float));
-    free(h);
-    return d;
-}
-
-static float *dzeros(size_t n) {
-    float *d = dnew(n * sizeof(float));
-    CU_ASSERT_FATAL(g_gpu->memset_zero(g_gpu, d, n * sizeof(float)) == 0);
-    return d;
-}
-
-static int synced(void) {
-    int rc = g_gpu->synchronize(g_gpu);
-    if (rc != 0)
-        tu_report("synchronize: %s", mo_last_error());
-    return rc;
-}
-
-/* Waits for the kernels (failing the test on a recorded error), then copies. */
-static void dget(void *h, const void *d, size_t nb) {
-    CU_ASSERT_FATAL(synced() == 0);
-    CU_ASSERT_FATAL(g_gpu->copy(g_gpu, h, DEV_CPU, d, DEV_CUDA, nb) == 0);
-}
-
-static float *dget_f(const float *d, size_t n) {
-    float *h = malloc((n ? n : 1) * sizeof(float));
-    dget(h, d, n * sizeof(float));
-    return h;
-}
-
-static void dfree(void *d) {
-    g_gpu->free(g_gpu, d);
-}
-
 /* ---- host helpers ---- */
-
-static float *hrand(size_t n, uint64_t seed, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    tu_fill(x, n, seed, lo, hi);
-    return x;
-}
-
-static float *hzeros(size_t n) {
-    return calloc(n ? n : 1, sizeof(float));
-}
-
-static float *hcopy(const float *x, size_t n) {
-    float *y = malloc((n ? n : 1) * sizeof(float));
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
 
 /* Random ints in [0, hi). */
 static int32_t *hids(size_t n, uint64_t seed, int hi) {
@@ -126,27 +37,6 @@ static int32_t *hids(size_t n, uint64_t seed, int hi) {
     }
     free(u);
     return ids;
-}
-
-static double err(const float *gpu, const float *cpu, size_t n) {
-    return tu_rel_err_ff(gpu, cpu, n, 1e-6);
-}
-
-/* got = pre + inc, up to f32 rounding (normalised by max |pre| + |inc|). */
-static void check_acc(const char *what, const float *pre, const float *inc, const float *got,
-                      size_t n) {
-    double maxv = 1e-6, maxd = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double want = (double)pre[i] + (double)inc[i];
-        double v = fabs((double)pre[i]) + fabs((double)inc[i]);
-        maxv = v > maxv ? v : maxv;
-        double d = fabs((double)got[i] - want);
-        if (!(d <= maxd))
-            maxd = isnan(d) ? INFINITY : d;
-    }
-    char w[200];
-    snprintf(w, sizeof w, "%s (accumulate)", what);
-    TU_ASSERT_CLOSE(maxd / maxv, TOL_ACC, w);
 }
 
 /* ---- the backend ---- */

@@ -50,14 +50,6 @@ typedef struct batch {
     float temperature;
 } batch_t;
 
-#define CHECK_RC(expr)                                                                             \
-    do {                                                                                           \
-        int rc_ = (expr);                                                                          \
-        if (rc_ != 0)                                                                              \
-            tu_report("%s: %d (%s)", #expr, rc_, mo_last_error());                                 \
-        CU_ASSERT_FATAL(rc_ == 0);                                                                 \
-    } while (0)
-
 /* Random norm weights in [0.6, 1.4): ones would hide a wrong norm vector. The norm vectors
  * are the model's own f32 copies. */
 static void randomise_norms(model_t *m, uint64_t seed) {
@@ -115,9 +107,9 @@ static void fx_open_arch(fx_t *f, model_arch_t arch, dtype_t dt, uint64_t seed) 
     randomise_norms(f->m, seed + 1);
     const char *targets[1] = {"all-linear"};
     lora_config_t lc = {4, 8.0f, 0, 0.0f, 11, 0, targets, 1};
-    CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
+    TU_CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
     randomise_adapter(f->ad, seed + 2);
-    CHECK_RC(model_set_adapter(f->m, f->ad));
+    TU_CHECK_RC(model_set_adapter(f->m, f->ad));
 }
 
 static void fx_open(fx_t *f, dtype_t dt, uint64_t seed) {
@@ -167,7 +159,7 @@ static void gpu_forward(model_cuda_t *mc, batch_t *b, float *logp, float *ent, i
     model_batch_t v = view(b);
     tu_poison(logp, (size_t)b->T);
     tu_poison(ent, (size_t)b->T);
-    CHECK_RC(model_cuda_logprobs(mc, &v, logp, ent, ad));
+    TU_CHECK_RC(model_cuda_logprobs(mc, &v, logp, ent, ad));
 }
 
 static double spread(const float *x, int n) {
@@ -184,9 +176,9 @@ static double spread(const float *x, int n) {
 static void compare(fx_t *f, model_cuda_t *mc, batch_t *b, int ad, double tol, const char *what,
                     float *ref) {
     float lc[MAXT], ec[MAXT], lg[MAXT], eg[MAXT];
-    CHECK_RC(model_set_adapter(f->m, ad ? f->ad : NULL));
+    TU_CHECK_RC(model_set_adapter(f->m, ad ? f->ad : NULL));
     cpu_forward(f->m, b, lc, ec);
-    CHECK_RC(model_set_adapter(f->m, f->ad));
+    TU_CHECK_RC(model_set_adapter(f->m, f->ad));
     gpu_forward(mc, b, lg, eg, ad);
     double el = tu_rel_err_ff(lg, lc, (size_t)b->T, 1e-6);
     double ee = tu_rel_err_ff(eg, ec, (size_t)b->T, 1e-6);
@@ -207,7 +199,7 @@ static void check_model(model_arch_t arch, dtype_t dt, double tol) {
     fx_t f;
     fx_open_arch(&f, arch, dt, dt == DT_F32 ? 7 : 8);
     model_cuda_t *mc = NULL;
-    CHECK_RC(model_cuda_upload(&mc, f.m));
+    TU_CHECK_RC(model_cuda_upload(&mc, f.m));
     CU_ASSERT_EQUAL(model_cuda_has_adapter(mc), 1);
     static const int lens1[5] = {7, 1, 12, 4, 9};
     static const int lens2[3] = {20, 1, 30};
@@ -241,20 +233,20 @@ static void check_model(model_arch_t arch, dtype_t dt, double tol) {
     /* logp only (entropy NULL) gives the same logp. */
     model_batch_t v = view(&b1);
     tu_poison(l2, (size_t)b1.T);
-    CHECK_RC(model_cuda_logprobs(mc, &v, l2, NULL, 1));
+    TU_CHECK_RC(model_cuda_logprobs(mc, &v, l2, NULL, 1));
     CU_ASSERT_EQUAL(memcmp(l1, l2, sizeof(float) * (size_t)b1.T), 0);
     /* New adapter parameters (an optimizer step): the upload keeps the old ones until
      * model_cuda_sync_adapter, then matches the CPU with the new ones. */
     randomise_adapter(f.ad, 77);
     gpu_forward(mc, &b1, l2, e2, 1);
     CU_ASSERT_EQUAL(memcmp(l1, l2, sizeof(float) * (size_t)b1.T), 0);
-    CHECK_RC(model_cuda_sync_adapter(mc));
+    TU_CHECK_RC(model_cuda_sync_adapter(mc));
     compare(&f, mc, &b1, 1, tol, "adapter after sync", NULL);
     gpu_forward(mc, &b1, l2, e2, 1);
     CU_ASSERT(tu_rel_err_ff(l2, l1, (size_t)b1.T, 1e-6) > 10.0 * tol);
-    CHECK_RC(model_set_adapter(f.m, NULL));
+    TU_CHECK_RC(model_set_adapter(f.m, NULL));
     CU_ASSERT_EQUAL(model_cuda_sync_adapter(mc), MO_ESTATE);
-    CHECK_RC(model_set_adapter(f.m, f.ad));
+    TU_CHECK_RC(model_set_adapter(f.m, f.ad));
     model_cuda_free(&mc);
     CU_ASSERT_PTR_NULL(mc);
     model_cuda_free(&mc);
@@ -295,9 +287,9 @@ static void test_mixtral_window(void) {
 static void test_base_upload(void) {
     fx_t f;
     fx_open(&f, DT_F32, 9);
-    CHECK_RC(model_set_adapter(f.m, NULL));
+    TU_CHECK_RC(model_set_adapter(f.m, NULL));
     model_cuda_t *mc = NULL;
-    CHECK_RC(model_cuda_upload(&mc, f.m));
+    TU_CHECK_RC(model_cuda_upload(&mc, f.m));
     CU_ASSERT_EQUAL(model_cuda_has_adapter(mc), 0);
     static const int lens[3] = {5, 1, 8};
     batch_t b;
@@ -321,7 +313,7 @@ static void test_bad_batch(void) {
     fx_t f;
     fx_open(&f, DT_F32, 10);
     model_cuda_t *mc = NULL;
-    CHECK_RC(model_cuda_upload(&mc, f.m));
+    TU_CHECK_RC(model_cuda_upload(&mc, f.m));
     static const int lens[2] = {5, 6};
     batch_t b;
     make_batch(&b, f.m, lens, 2, 51, 1.0f);
@@ -374,7 +366,7 @@ static void check_routing(dtype_t dt, double tol) {
     fx_t f;
     fx_open(&f, dt, dt == DT_F32 ? 13 : 14);
     model_cuda_t *mc = NULL;
-    CHECK_RC(model_cuda_upload(&mc, f.m));
+    TU_CHECK_RC(model_cuda_upload(&mc, f.m));
     static const int lens[4] = {9, 1, 14, 6};
     batch_t b;
     make_batch(&b, f.m, lens, 4, 61, 0.9f);
@@ -384,11 +376,11 @@ static void check_routing(dtype_t dt, double tol) {
     model_batch_t v = view(&b);
     /* Natural routing with the adapter. */
     v.routing = rc_ad;
-    CHECK_RC(model_forward(f.m, &v, lc, ec, 0));
+    TU_CHECK_RC(model_forward(f.m, &v, lc, ec, 0));
     memset(rg, 0xff, nr * 2);
     v.routing = rg;
     gpu_forward(mc, &b, lg, eg, 1); /* poisons; then the call with routing: */
-    CHECK_RC(model_cuda_logprobs(mc, &v, lg, eg, 1));
+    TU_CHECK_RC(model_cuda_logprobs(mc, &v, lg, eg, 1));
     size_t differ = 0;
     for (size_t i = 0; i < nr; i++)
         differ += rg[i] != rc_ad[i];
@@ -398,9 +390,9 @@ static void check_routing(dtype_t dt, double tol) {
     for (size_t i = 0; i < nr; i++)
         CU_ASSERT(rg[i] < f.m->E);
     /* The base model routes otherwise. */
-    CHECK_RC(model_set_adapter(f.m, NULL));
+    TU_CHECK_RC(model_set_adapter(f.m, NULL));
     v.routing = rc_base;
-    CHECK_RC(model_forward(f.m, &v, lc, ec, 0));
+    TU_CHECK_RC(model_forward(f.m, &v, lc, ec, 0));
     differ = 0;
     for (size_t i = 0; i < nr; i++)
         differ += rc_base[i] != rc_ad[i];
@@ -410,12 +402,12 @@ static void check_routing(dtype_t dt, double tol) {
     v.replay = rc_ad;
     tu_poison(lc, (size_t)b.T);
     tu_poison(ec, (size_t)b.T);
-    CHECK_RC(model_forward(f.m, &v, lc, ec, 0));
+    TU_CHECK_RC(model_forward(f.m, &v, lc, ec, 0));
     v.routing = rg;
     memset(rg, 0xff, nr * 2);
     tu_poison(lg, (size_t)b.T);
     tu_poison(eg, (size_t)b.T);
-    CHECK_RC(model_cuda_logprobs(mc, &v, lg, eg, 0));
+    TU_CHECK_RC(model_cuda_logprobs(mc, &v, lg, eg, 0));
     CU_ASSERT_EQUAL(memcmp(rg, rc_ad, nr * 2), 0);
     double el = tu_rel_err_ff(lg, lc, (size_t)b.T, 1e-6);
     double ee = tu_rel_err_ff(eg, ec, (size_t)b.T, 1e-6);
@@ -427,7 +419,7 @@ static void check_routing(dtype_t dt, double tol) {
     float ln[MAXT], en[MAXT];
     gpu_forward(mc, &b, ln, en, 0);
     CU_ASSERT(tu_rel_err_ff(ln, lg, (size_t)b.T, 1e-6) > 10.0 * tol);
-    CHECK_RC(model_set_adapter(f.m, f.ad));
+    TU_CHECK_RC(model_set_adapter(f.m, f.ad));
     free(rc_ad);
     free(rg);
     free(rc_base);
@@ -508,7 +500,7 @@ static void test_refusals(void) {
     ((wview_t *)f.m->layers[0].moe_w.gate)[3] = wk;
     /* Everything restored: the upload works. */
     model_cuda_t *mc = NULL;
-    CHECK_RC(model_cuda_upload(&mc, f.m));
+    TU_CHECK_RC(model_cuda_upload(&mc, f.m));
     model_cuda_free(&mc);
     fx_close(&f);
 }

@@ -26,85 +26,12 @@
 #include "lora/lora.h"
 #include "moe/mlp.h"
 #include "moe/moe.h"
+#include "tests/gpu_testutil.h"
 #include "tests/testutil.h"
 
-/* f32 products: sums in another order than the CPU's. */
-#define TOL_F32 1e-5
-/* Combines: the CPU's expressions, at most a fused multiply-add apart. */
-#define TOL_EW 1e-6
-/* bf16 expert weights against the CPU's f32 products (activations rounded to bf16). */
-#define TOL_LOWP 1e-2
-/* bf16 products (tensor cores) against the CPU on the same rounded activations: only the
- * f32 summation differs (tensor-core accumulation may round toward zero, up to ~1e-4 over
- * thousands of terms); a wrong index or weight gives ~1. */
-#define TOL_LOWP_ROUNDED 5e-4
-/* An accumulating run on random contents against contents + increment. */
-#define TOL_ACC 1e-6
-
-static const backend_t *g_gpu;
 static const kernels_t *KC; /* the CPU table */
 
-/* ---- device and host buffers ---- */
-
-static void *dnew(size_t nb) {
-    void *p = NULL;
-    CU_ASSERT_FATAL(g_gpu->alloc(g_gpu, &p, nb ? nb : 4) == 0);
-    return p;
-}
-
-static void *dput(const void *h, size_t nb) {
-    void *d = dnew(nb);
-    if (nb)
-        CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d, DEV_CUDA, h, DEV_CPU, nb) == 0);
-    return d;
-}
-
-static float *dpoison(size_t n) {
-    float *h = malloc((n ? n : 1) * sizeof(float));
-    tu_poison(h, n);
-    float *d = dput(h, n * sizeof(float));
-    free(h);
-    return d;
-}
-
-static int synced(void) {
-    int rc = g_gpu->synchronize(g_gpu);
-    if (rc != 0)
-        tu_report("synchronize: %s", mo_last_error());
-    return rc;
-}
-
-static void dget(void *h, const void *d, size_t nb) {
-    CU_ASSERT_FATAL(synced() == 0);
-    if (nb)
-        CU_ASSERT_FATAL(g_gpu->copy(g_gpu, h, DEV_CPU, d, DEV_CUDA, nb) == 0);
-}
-
-static float *dget_f(const float *d, size_t n) {
-    float *h = malloc((n ? n : 1) * sizeof(float));
-    dget(h, d, n * sizeof(float));
-    return h;
-}
-
-static void dfree(void *d) {
-    g_gpu->free(g_gpu, d);
-}
-
-static float *hrand(size_t n, uint64_t seed, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    tu_fill(x, n, seed, lo, hi);
-    return x;
-}
-
-static float *hzeros(size_t n) {
-    return calloc(n ? n : 1, sizeof(float));
-}
-
-static float *hcopy(const float *x, size_t n) {
-    float *y = malloc((n ? n : 1) * sizeof(float));
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
+/* ---- host helpers ---- */
 
 static float *rounded_bf16(const float *x, size_t n) {
     float *y = hcopy(x, n);
@@ -113,35 +40,6 @@ static float *rounded_bf16(const float *x, size_t n) {
     convert_to_f32(y, t, DT_BF16, n);
     free(t);
     return y;
-}
-
-static double err(const float *gpu, const float *cpu, size_t n) {
-    return tu_rel_err_ff(gpu, cpu, n, 1e-6);
-}
-
-#define CHECK_RC(expr)                                                                             \
-    do {                                                                                           \
-        int rc_ = (expr);                                                                          \
-        if (rc_ != 0)                                                                              \
-            tu_report("%s: %d (%s)", #expr, rc_, mo_last_error());                                 \
-        CU_ASSERT_FATAL(rc_ == 0);                                                                 \
-    } while (0)
-
-/* got = pre + inc, up to f32 rounding (normalised by max |pre| + |inc|). */
-static void check_acc(const char *what, const float *pre, const float *inc, const float *got,
-                      size_t n) {
-    double maxv = 1e-6, maxd = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double want = (double)pre[i] + (double)inc[i];
-        double v = fabs((double)pre[i]) + fabs((double)inc[i]);
-        maxv = v > maxv ? v : maxv;
-        double d = fabs((double)got[i] - want);
-        if (!(d <= maxd))
-            maxd = isnan(d) ? INFINITY : d;
-    }
-    char w[200];
-    snprintf(w, sizeof w, "%s (accumulate)", what);
-    TU_ASSERT_CLOSE(maxd / maxv, TOL_ACC, w);
 }
 
 static void check_exact(const char *what, const void *got, const void *want, size_t nb) {
@@ -234,13 +132,13 @@ static void plans_make(plans_t *p, arena_t *ar, int T, int K, int E, int skew, u
     size_t S = (size_t)p->S;
     p->idx = route(T, K, E, skew, seed);
     p->didx = dput(p->idx, S * sizeof(int32_t));
-    CHECK_RC(moe_dispatch_plan(&p->cpu, ar, p->idx, T, K, E));
-    CHECK_RC(moe_cuda_plan_alloc(&p->gpu, T, K, E));
+    TU_CHECK_RC(moe_dispatch_plan(&p->cpu, ar, p->idx, T, K, E));
+    TU_CHECK_RC(moe_cuda_plan_alloc(&p->gpu, T, K, E));
     int_poison(p->gpu.offsets, (size_t)E + 1);
     int_poison(p->gpu.slot_of_row, S);
     int_poison(p->gpu.row_of_slot, S);
-    CHECK_RC(moe_cuda_plan_build(&p->gpu, p->didx));
-    CHECK_RC(moe_cuda_plan_check(&p->gpu));
+    TU_CHECK_RC(moe_cuda_plan_build(&p->gpu, p->didx));
+    TU_CHECK_RC(moe_cuda_plan_check(&p->gpu));
     int32_t *h = malloc((S + (size_t)E + 1) * sizeof(int32_t));
     snprintf(w, sizeof w, "plan T=%d K=%d E=%d", T, K, E);
     dget(h, p->gpu.offsets, ((size_t)E + 1) * sizeof(int32_t));
@@ -347,8 +245,8 @@ static void test_plan_bad_index(void) {
     idx[2 * 290] = -3;    /* slot 580 */
     int32_t *didx = dput(idx, sizeof(int32_t) * T * K);
     moe_cuda_plan_t p;
-    CHECK_RC(moe_cuda_plan_alloc(&p, T, K, E));
-    CHECK_RC(moe_cuda_plan_build(&p, didx));
+    TU_CHECK_RC(moe_cuda_plan_alloc(&p, T, K, E));
+    TU_CHECK_RC(moe_cuda_plan_build(&p, didx));
     int rc = moe_cuda_plan_check(&p);
     CU_ASSERT_EQUAL(rc, MO_EINVAL);
     const char *want = "slot 263 names expert 5, outside [0, 5)";
@@ -374,7 +272,7 @@ static void test_plan_bad_index(void) {
     int32_t *good = route(T, K, E, 0, 78);
     CU_ASSERT_FATAL(g_gpu->copy(g_gpu, didx, DEV_CUDA, good, DEV_CPU, sizeof(int32_t) * T * K) ==
                     0);
-    CHECK_RC(moe_cuda_plan_build(&p, didx));
+    TU_CHECK_RC(moe_cuda_plan_build(&p, didx));
     CU_ASSERT_EQUAL(moe_cuda_plan_check(&p), 0);
     CU_ASSERT_EQUAL(synced(), 0);
     moe_cuda_plan_t q;
@@ -405,7 +303,7 @@ static void gather_case(const mcase_t *c, uint64_t seed) {
     /* dispatch forward: exact */
     float *cx = hzeros(S * D), *d_xg = dpoison(S * D);
     moe_dispatch_forward(cx, x, &p.cpu, c->D);
-    CHECK_RC(moe_cuda_dispatch_forward(d_xg, d_x, &p.gpu, c->D));
+    TU_CHECK_RC(moe_cuda_dispatch_forward(d_xg, d_x, &p.gpu, c->D));
     float *g = dget_f(d_xg, S * D);
     check_exact(w, g, cx, S * D * 4);
     free(g);
@@ -413,7 +311,7 @@ static void gather_case(const mcase_t *c, uint64_t seed) {
     /* dispatch backward onto random dx: exact (the same adds in the same order) */
     float *cdx = hcopy(dx0, T * D), *d_dx = dput(dx0, T * D * 4);
     moe_dispatch_backward(cdx, yg, &p.cpu, c->D);
-    CHECK_RC(moe_cuda_dispatch_backward(d_dx, d_yg, &p.gpu, c->D));
+    TU_CHECK_RC(moe_cuda_dispatch_backward(d_dx, d_yg, &p.gpu, c->D));
     g = dget_f(d_dx, T * D);
     check_exact(w, g, cdx, T * D * 4);
     free(g);
@@ -421,7 +319,7 @@ static void gather_case(const mcase_t *c, uint64_t seed) {
     /* combine forward */
     float *co = hzeros(T * D), *d_o = dpoison(T * D);
     moe_combine_forward(co, yg, wt, &p.cpu, c->D);
-    CHECK_RC(moe_cuda_combine_forward(d_o, d_yg, d_wt, &p.gpu, c->D));
+    TU_CHECK_RC(moe_cuda_combine_forward(d_o, d_yg, d_wt, &p.gpu, c->D));
     g = dget_f(d_o, T * D);
     TU_ASSERT_CLOSE(err(g, co, T * D), TOL_EW, w);
     free(g);
@@ -430,7 +328,7 @@ static void gather_case(const mcase_t *c, uint64_t seed) {
     float *cdy = hcopy(dyg0, S * D), *cdw = hcopy(dw0, S);
     moe_combine_backward(cdy, cdw, dout, yg, wt, &p.cpu, c->D);
     float *d_dy = dput(dyg0, S * D * 4), *d_dw = dput(dw0, S * 4);
-    CHECK_RC(moe_cuda_combine_backward(d_dy, d_dw, d_dout, d_yg, d_wt, &p.gpu, c->D));
+    TU_CHECK_RC(moe_cuda_combine_backward(d_dy, d_dw, d_dout, d_yg, d_wt, &p.gpu, c->D));
     g = dget_f(d_dy, S * D);
     TU_ASSERT_CLOSE(err(g, cdy, S * D), TOL_EW, w);
     free(g);
@@ -439,14 +337,14 @@ static void gather_case(const mcase_t *c, uint64_t seed) {
     free(g);
     CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d_dy, DEV_CUDA, dyg0, DEV_CPU, S * D * 4) == 0);
     CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d_dw, DEV_CUDA, dw0, DEV_CPU, S * 4) == 0);
-    CHECK_RC(moe_cuda_combine_backward(NULL, d_dw, d_dout, d_yg, d_wt, &p.gpu, c->D));
+    TU_CHECK_RC(moe_cuda_combine_backward(NULL, d_dw, d_dout, d_yg, d_wt, &p.gpu, c->D));
     g = dget_f(d_dy, S * D);
     check_exact("combine backward without dyg leaves it", g, dyg0, S * D * 4);
     free(g);
     g = dget_f(d_dw, S);
     TU_ASSERT_CLOSE(err(g, cdw, S), TOL_EW, w);
     free(g);
-    CHECK_RC(moe_cuda_combine_backward(d_dy, NULL, d_dout, d_yg, d_wt, &p.gpu, c->D));
+    TU_CHECK_RC(moe_cuda_combine_backward(d_dy, NULL, d_dout, d_yg, d_wt, &p.gpu, c->D));
     g = dget_f(d_dy, S * D);
     TU_ASSERT_CLOSE(err(g, cdy, S * D), TOL_EW, w);
     free(g);
@@ -513,14 +411,14 @@ static void gmm_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
     float *co = hzeros(no), *cr = hzeros(no), *d_o = dpoison(no);
     cpu_gmm_forward(co, x, &W, off, C, OC);
     cpu_gmm_forward(cr, tol_x, &W, off, C, OC);
-    CHECK_RC(moe_cuda_gmm_forward(d_o, d_x, W.tab, dt, p.gpu.offsets, E, S, C, OC, 1.0f, 0));
+    TU_CHECK_RC(moe_cuda_gmm_forward(d_o, d_x, W.tab, dt, p.gpu.offsets, E, S, C, OC, 1.0f, 0));
     float *g = dget_f(d_o, no);
     TU_ASSERT_CLOSE(err(g, co, no), dt == DT_F32 ? TOL_F32 : TOL_LOWP, w);
     TU_ASSERT_CLOSE(err(g, cr, no), dt == DT_F32 ? TOL_F32 : TOL_LOWP_ROUNDED, w);
     /* accumulating with alpha on random contents */
     float *pre = hrand(no, seed + 4, -1, 1);
     CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d_o, DEV_CUDA, pre, DEV_CPU, no * 4) == 0);
-    CHECK_RC(moe_cuda_gmm_forward(d_o, d_x, W.tab, dt, p.gpu.offsets, E, S, C, OC, -0.5f, 1));
+    TU_CHECK_RC(moe_cuda_gmm_forward(d_o, d_x, W.tab, dt, p.gpu.offsets, E, S, C, OC, -0.5f, 1));
     float *g2 = dget_f(d_o, no);
     for (size_t i = 0; i < no; i++)
         g[i] *= -0.5f;
@@ -537,7 +435,7 @@ static void gmm_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
         int32_t *d_rel = dput(rel, sizeof(int32_t) * (size_t)(n + 1));
         size_t ns = (size_t)rows * OC;
         float *d_s = dpoison(ns);
-        CHECK_RC(moe_cuda_gmm_forward(d_s, d_x + (size_t)off[e0] * C, (const void **)W.tab + e0, dt,
+        TU_CHECK_RC(moe_cuda_gmm_forward(d_s, d_x + (size_t)off[e0] * C, (const void **)W.tab + e0, dt,
                                       d_rel, n, rows, C, OC, 1.0f, 0));
         g = dget_f(d_s, ns);
         TU_ASSERT_CLOSE(err(g, co + (size_t)off[e0] * OC, ns), dt == DT_F32 ? TOL_F32 : TOL_LOWP,
@@ -550,13 +448,13 @@ static void gmm_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
     float *cdx = hzeros(nx), *cdr = hzeros(nx), *d_dx = dpoison(nx);
     cpu_gmm_backward_x(cdx, dout, &W, off, C, OC);
     cpu_gmm_backward_x(cdr, tol_g, &W, off, C, OC);
-    CHECK_RC(moe_cuda_gmm_backward_x(d_dx, d_dout, W.tab, dt, p.gpu.offsets, E, S, C, OC, 1.0f, 0));
+    TU_CHECK_RC(moe_cuda_gmm_backward_x(d_dx, d_dout, W.tab, dt, p.gpu.offsets, E, S, C, OC, 1.0f, 0));
     g = dget_f(d_dx, nx);
     TU_ASSERT_CLOSE(err(g, cdx, nx), dt == DT_F32 ? TOL_F32 : TOL_LOWP, w);
     TU_ASSERT_CLOSE(err(g, cdr, nx), dt == DT_F32 ? TOL_F32 : TOL_LOWP_ROUNDED, w);
     pre = hrand(nx, seed + 5, -1, 1);
     CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d_dx, DEV_CUDA, pre, DEV_CPU, nx * 4) == 0);
-    CHECK_RC(moe_cuda_gmm_backward_x(d_dx, d_dout, W.tab, dt, p.gpu.offsets, E, S, C, OC, 1.0f, 1));
+    TU_CHECK_RC(moe_cuda_gmm_backward_x(d_dx, d_dout, W.tab, dt, p.gpu.offsets, E, S, C, OC, 1.0f, 1));
     g2 = dget_f(d_dx, nx);
     check_acc(w, pre, g, g2, nx);
     free(g), free(g2), free(pre);
@@ -565,7 +463,7 @@ static void gmm_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
     if (dt == DT_F32) {
         mats_t G;
         mats_make(&G, E, (size_t)OC * C, DT_F32, seed + 6, 0, 0, 0, 0);
-        CHECK_RC(moe_cuda_gmm_backward_w(G.tab, d_dout, d_x, p.gpu.offsets, E, S, C, OC, 1.0f));
+        TU_CHECK_RC(moe_cuda_gmm_backward_w(G.tab, d_dout, d_x, p.gpu.offsets, E, S, C, OC, 1.0f));
         float **inc = calloc((size_t)E, sizeof(float *));
         for (int e = 0; e < E; e++) {
             float *ce = hzeros(G.elems);
@@ -580,7 +478,7 @@ static void gmm_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
             mats_set(&G, e, r);
             free(r), free(ce);
         }
-        CHECK_RC(moe_cuda_gmm_backward_w(G.tab, d_dout, d_x, p.gpu.offsets, E, S, C, OC, 1.0f));
+        TU_CHECK_RC(moe_cuda_gmm_backward_w(G.tab, d_dout, d_x, p.gpu.offsets, E, S, C, OC, 1.0f));
         for (int e = 0; e < E; e++) {
             float *got = dget_f(G.d[e], G.elems);
             check_acc(w, G.h[e], inc[e], got, G.elems);
@@ -700,13 +598,13 @@ static void lora_case(const mcase_t *c, uint64_t seed) {
         lora_backward(KC, cdx + r0 * C, dy + r0 * OC, x + r0 * C, cxa + r0 * R, a.ptabs[e], rows, C,
                       OC, tmp);
     }
-    CHECK_RC(moe_cuda_lora_forward(d_y, d_xa, d_x, &a.l, p.gpu.offsets, E, S, C, OC));
+    TU_CHECK_RC(moe_cuda_lora_forward(d_y, d_xa, d_x, &a.l, p.gpu.offsets, E, S, C, OC));
     float *gy = dget_f(d_y, no), *gxa = dget_f(d_xa, nr);
     for (size_t i = 0; i < no; i++) /* the increments */
         gy[i] -= y0[i], cy[i] -= y0[i];
     TU_ASSERT_CLOSE(err(gy, cy, no), TOL_F32, w);
     TU_ASSERT_CLOSE(err(gxa, cxa, nr), TOL_F32, w);
-    CHECK_RC(
+    TU_CHECK_RC(
         moe_cuda_lora_backward(d_dx, d_dy, d_x, d_xa, &a.l, p.gpu.offsets, E, S, C, OC, d_tmp));
     float *gdx = dget_f(d_dx, nx);
     TU_ASSERT_CLOSE(err(gdx, cdx, nx), TOL_F32, w);
@@ -793,8 +691,8 @@ static void experts_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
     float *cye = hzeros(nd);
     mlp_acts_t *acts = arena_alloc(&ar, sizeof(mlp_acts_t) * (size_t)E);
     CU_ASSERT_FATAL(acts != NULL);
-    CHECK_RC(moe_experts_forward(KC, &ar, cye, acts, xe, off, E, 0, &hw, D, F));
-    CHECK_RC(moe_cuda_experts_forward(d_ye, &da, d_xe, p.gpu.offsets, E, S, &dw, D, F));
+    TU_CHECK_RC(moe_experts_forward(KC, &ar, cye, acts, xe, off, E, 0, &hw, D, F));
+    TU_CHECK_RC(moe_cuda_experts_forward(d_ye, &da, d_xe, p.gpu.offsets, E, S, &dw, D, F));
     float *g = dget_f(d_ye, nd);
     TU_ASSERT_CLOSE(err(g, cye, nd), tol, w);
     free(g);
@@ -810,8 +708,8 @@ static void experts_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
     /* backward from zeroed dxe, onto random dxe */
     float *cdx = hzeros(nd), *d_dx = dput(cdx, nd * 4);
     float *d_scr = dpoison(moe_cuda_experts_backward_scratch_floats(&dw, S, F));
-    CHECK_RC(moe_experts_backward(KC, &ar, cdx, dye, xe, acts, off, E, 0, &hw, D, F));
-    CHECK_RC(
+    TU_CHECK_RC(moe_experts_backward(KC, &ar, cdx, dye, xe, acts, off, E, 0, &hw, D, F));
+    TU_CHECK_RC(
         moe_cuda_experts_backward(d_dx, d_dye, d_xe, &da, p.gpu.offsets, E, S, &dw, D, F, d_scr));
     float *inc = dget_f(d_dx, nd);
     TU_ASSERT_CLOSE(err(inc, cdx, nd), tol, w);
@@ -822,7 +720,7 @@ static void experts_case(const mcase_t *c, dtype_t dt, uint64_t seed) {
     }
     float *pre = hrand(nd, seed + 6, -1, 1);
     CU_ASSERT_FATAL(g_gpu->copy(g_gpu, d_dx, DEV_CUDA, pre, DEV_CPU, nd * 4) == 0);
-    CHECK_RC(
+    TU_CHECK_RC(
         moe_cuda_experts_backward(d_dx, d_dye, d_xe, &da, p.gpu.offsets, E, S, &dw, D, F, d_scr));
     g = dget_f(d_dx, nd);
     check_acc(w, pre, inc, g, nd);

@@ -33,6 +33,16 @@ double tu_rel_err_ff(const float *a, const float *b, size_t n, double floor);
 
 void tu_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* Runs expr (a status-returning call) and stops the test unless it returns 0, printing
+ * the call, the code and the last error message. */
+#define TU_CHECK_RC(expr)                                                                          \
+    do {                                                                                           \
+        int tu_rc_ = (expr);                                                                       \
+        if (tu_rc_ != 0)                                                                           \
+            tu_report("%s: %d (%s)", #expr, tu_rc_, mo_last_error());                              \
+        CU_ASSERT_FATAL(tu_rc_ == 0);                                                              \
+    } while (0)
+
 /* A fresh temporary directory (removed by tu_rmtree); path written to buf. */
 int tu_tmpdir(char *buf, size_t cap);
 void tu_rmtree(const char *path);
