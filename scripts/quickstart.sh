@@ -7,7 +7,7 @@
 #      tiny Qwen3-MoE (moerl init-model) given a short supervised warm start on
 #      the built-in arithmetic task (moerl sft --full, one thread: faster than
 #      two for a model this small);
-#   3. runs the RL job (moerl run configs/quickstart.yaml, 2000 steps): the
+#   3. runs the RL job (moerl run configs/quickstart.yaml, 2500 steps): the
 #      learner, 2 rollout workers and a reward worker as separate processes,
 #      GRPO with LoRA on the attention and expert projections;
 #   4. prints reward mean and held-out greedy accuracy by step, the accuracy
