@@ -73,6 +73,12 @@ AVX512_FN static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* Index for _mm512_permutex2var_epi16 in the activation splits: the odd 16-bit halves
+ * (the bf16 tops) of two vectors of 16 floats. */
+static const uint16_t split_top[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                       23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                       45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+
 /* Rows tb*16 .. tb*16+15 of the activations as three bf16 parts in the tile layout of the
  * B operand, xp (3, nTB, nKB, 16, 16, 2): part p, row tb*16 + n, column kb*32 + 2*k2 + q
  * at [p][tb][kb][k2][n][q]; rows from T on are zero. x = h + m + l exactly: h is the top
@@ -82,12 +88,9 @@ AVX512_FN static inline void transpose16(__m512i r[16]) {
  * transposed to [k2][n]. On AVX-512, which every CPU with AMX has. */
 AVX512_FN static void split_block16(uint16_t *xp, const float *inp, int T, int tb, int C,
                                     size_t part) {
-    static const uint16_t top[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                     23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                     45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
     int nKB = C / KB, rows = T - tb * TR < TR ? T - tb * TR : TR;
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i idx = _mm512_loadu_si512(top);
+    const __m512i idx = _mm512_loadu_si512(split_top);
     const float *base = inp + (size_t)tb * TR * (size_t)C;
     uint32_t *d = (uint32_t *)xp + (size_t)tb * nKB * TR * TR; /* part 0 */
     size_t pw = part / 2;                                      /* uint32 per part */
@@ -295,12 +298,9 @@ void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const floa
  * [tb][kb][p][n][j]; rows from T on are zero. The parts as in split_block16, each row's
  * 32 columns in order (no transpose). */
 AVX512_FN static void split_block16_a(uint16_t *xa, const float *inp, int T, int tb, int C) {
-    static const uint16_t top[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                     23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                     45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
     int nKB = C / KB, rows = T - tb * TR < TR ? T - tb * TR : TR;
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i idx = _mm512_loadu_si512(top);
+    const __m512i idx = _mm512_loadu_si512(split_top);
     uint16_t *d0 = xa + (size_t)tb * nKB * 3 * TILE_BF16;
     for (int n = 0; n < TR; n++) {
         const float *row = inp + ((size_t)tb * TR + (size_t)n) * (size_t)C;
