@@ -2,7 +2,9 @@
 #include "rollout/attn_decode.h"
 
 #include <math.h>
+#include <omp.h>
 #include <string.h>
+#include <stdlib.h>
 
 #include "core/cpu/scratch.h"
 #include "core/status.h"
@@ -123,26 +125,6 @@ static void block_dots_g(float *acc, const float *q, size_t sq, int G, const flo
         block_dots2(acc + (size_t)g * BS, q + (size_t)g * sq, q + (size_t)(g + 1) * sq, kt, Dh, BS);
     if (g < G)
         block_dots(acc + (size_t)g * BS, q + (size_t)g * sq, kt, Dh, BS);
-}
-
-/* s (G, n) with row stride ld: s[g, j - lo] = scale * q_g . k_j for keys lo .. lo + n - 1
- * of kv head kvh (q_g at q + g sq). The scores of all of a block's slots are computed;
- * those outside the range are dropped. acc: (G, BS) scratch. */
-static void scores(float *s, size_t ld, const float *q, int G, size_t sq, const kv_cache_t *c,
-                   int l, const kv_seq_t *seq, int kvh, int lo, int n, float scale, float *acc) {
-    int Dh = c->Dh, BS = c->block_tokens;
-    for (int j = lo; j < lo + n;) {
-        int b = j / BS, o = j % BS;
-        int cnt = BS - o < lo + n - j ? BS - o : lo + n - j;
-        const float *kt = kv_k_block(c, l, seq->blocks[b]) + (size_t)kvh * Dh * BS;
-        block_dots_g(acc, q, sq, G, kt, Dh, BS);
-        for (int g = 0; g < G; g++) {
-            float *sg = s + (size_t)g * ld + (size_t)(j - lo);
-            for (int t = 0; t < cnt; t++)
-                sg[t] = scale * acc[(size_t)g * BS + o + t];
-        }
-        j += cnt;
-    }
 }
 
 /* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp of expf; 0 below -87
@@ -299,112 +281,123 @@ static void block_values_g(float *o, const float *p, size_t ld, int G, const flo
         block_values(o + (size_t)g * Dh, p + (size_t)g * ld, vb, cnt, Dh);
 }
 
-/* o (G, Dh) += the values of keys lo .. lo + n - 1 of kv head kvh, weighted by the
- * probabilities p (G, n), block by block from block b0 on (keys of earlier blocks are
- * skipped). */
-static void values(float *o, const float *p, int G, const kv_cache_t *c, int l, const kv_seq_t *seq,
-                   int kvh, int lo, int n, int b0) {
-    int Dh = c->Dh, BS = c->block_tokens;
-    for (int j = lo > b0 * BS ? lo : b0 * BS; j < lo + n;) {
-        int b = j / BS, off = j % BS;
-        int cnt = BS - off < lo + n - j ? BS - off : lo + n - j;
-        const float *vb = kv_v_block(c, l, seq->blocks[b]) + ((size_t)kvh * BS + off) * Dh;
-        block_values_g(o, p + (j - lo), (size_t)n, G, vb, cnt, Dh);
-        j += cnt;
-    }
-}
-
-/* Asks the memory for the keys (values 0) or values (1) of kv head kvh of row i's own
- * blocks (from block S on, those not shared with the rows of its group), ahead of use:
- * each head's part of a block is a page of its own, which the hardware prefetchers do not
- * enter on their own. */
-static void prefetch_own(const kv_cache_t *c, int l, const kv_seq_t *seq, int pos, int lo, int S,
-                         int kvh, int values) {
-    int BS = c->block_tokens, j0 = S * BS > lo ? S * BS : lo;
-    size_t chunk = (size_t)c->Dh * (size_t)BS; /* floats of one kv head in a block */
-    for (int b = j0 / BS; b <= pos / BS; b++) {
-        const float *p =
-            (values ? kv_v_block(c, l, seq->blocks[b]) : kv_k_block(c, l, seq->blocks[b])) +
-            (size_t)kvh * chunk;
-        size_t used = values && b == pos / BS ? (size_t)(pos % BS + 1) * c->Dh : chunk;
-        for (size_t f = 0; f < used; f += 16)
-            __builtin_prefetch(p + f, 0, 3);
-    }
-}
-
 /* The first position row i attends to. */
 static int row_lo(const int32_t *pos, int i, int window) {
     return (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
 }
 
+/* si (H, n), head-major: si[h, j - lo] = scale * q_h . k_j for one row's own keys j0 ..
+ * lo + n - 1 (qi its H queries), block by block, all kv heads of a block in turn (one
+ * sequential read of the block's keys). acc: (G, BS) scratch. */
+static void row_scores(float *si, const float *qi, const kv_cache_t *c, int l, const kv_seq_t *seq,
+                       int j0, int lo, int n, int H, int k0, int k1, float scale, float *acc) {
+    int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
+    for (int j = j0; j < lo + n;) {
+        int b = j / BS, o = j % BS;
+        int cnt = BS - o < lo + n - j ? BS - o : lo + n - j;
+        const float *kb = kv_k_block(c, l, seq->blocks[b]);
+        for (int kvh = k0; kvh < k1; kvh++) {
+            block_dots_g(acc, qi + (size_t)kvh * G * Dh, (size_t)Dh, G,
+                         kb + (size_t)kvh * Dh * BS, Dh, BS);
+            for (int g = 0; g < G; g++) {
+                float *sg = si + (size_t)(kvh * G + g) * n + (size_t)(j - lo);
+                for (int t = 0; t < cnt; t++)
+                    sg[t] = scale * acc[(size_t)g * BS + o + t];
+            }
+        }
+        j += cnt;
+    }
+}
+
+/* oi (H, Dh) += one row's own values j0 .. lo + n - 1 weighted by its probabilities si
+ * (H, n), block by block, all kv heads of a block in turn. */
+static void row_values(float *oi, const float *si, const kv_cache_t *c, int l, const kv_seq_t *seq,
+                       int j0, int lo, int n, int H, int k0, int k1) {
+    int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
+    for (int j = j0; j < lo + n;) {
+        int b = j / BS, off = j % BS;
+        int cnt = BS - off < lo + n - j ? BS - off : lo + n - j;
+        const float *vb = kv_v_block(c, l, seq->blocks[b]);
+        for (int kvh = k0; kvh < k1; kvh++)
+            block_values_g(oi + (size_t)kvh * G * Dh, si + (size_t)kvh * G * n + (j - lo),
+                           (size_t)n, G, vb + ((size_t)kvh * BS + off) * Dh, cnt, Dh);
+        j += cnt;
+    }
+}
+
+/* The new rows' keys and values (N, Hkv, Dh), stored by the task that attends over them. */
+typedef struct kv_new {
+    const float *k, *v;
+} kv_new_t;
+
 /* Rows r0 .. r1-1 that hold the same first S blocks (full and inside every row's
- * range), kv head kvh. The shared blocks' keys and values are read once for all the
- * rows' queries; each row's arithmetic is the same as on its own. s: scratch. */
-static void group_task(float *out, const float *q, const kv_cache_t *c, int l,
-                       const kv_seq_t *const *seqs, const int32_t *pos, int r0, int r1, int S,
-                       int H, int kvh, float scale, int window) {
+ * range), kv heads k0 .. k1-1; with kn, the rows' new keys and values are stored first. The shared blocks' keys and values are read once for all the rows' queries;
+ * each row's arithmetic is the same as on its own. Scores: row i's (H, n_i), head-major,
+ * after the rows before it. */
+static void group_task(float *out, const float *q, const kv_new_t *kn, const kv_cache_t *c,
+                       int l, const kv_seq_t *const *seqs, const int32_t *pos, int r0, int r1,
+                       int S, int H, int k0, int k1, float scale, int window) {
     int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
     size_t sq = (size_t)H * (size_t)Dh, tot = 0;
+    for (int i = r0; kn && i < r1; i++)
+        kv_write_heads(c, seqs[i], l, pos[i], kn->k + (size_t)i * c->row,
+                       kn->v + (size_t)i * c->row, k0, k1);
     for (int i = r0; i < r1; i++)
-        tot += (size_t)G * (size_t)(pos[i] + 1);
+        tot += (size_t)H * (size_t)(pos[i] - row_lo(pos, i, window) + 1);
     /* scores, then (G, BS) */
     float *s = cpu_scratch_floats(ATTN_SCRATCH_SLOT, tot + (size_t)G * BS);
     float *acc = s + tot;
-    prefetch_own(c, l, seqs[r0], pos[r0], row_lo(pos, r0, window), S, kvh, 0);
-    /* scores: shared blocks for all rows, then each row's own */
+    /* scores: shared blocks for all rows (S > 0 only without a window: lo = 0) */
     for (int b = 0; b < S; b++) {
-        const float *kt = kv_k_block(c, l, seqs[r0]->blocks[b]) + (size_t)kvh * Dh * BS;
-        float *si = s;
-        for (int i = r0; i < r1; i++) {
-            int n = pos[i] + 1;
-            const float *qi = q + (size_t)i * sq + (size_t)kvh * G * Dh;
-            block_dots_g(acc, qi, (size_t)Dh, G, kt, Dh, BS);
-            for (int g = 0; g < G; g++) {
-                float *sg = si + (size_t)g * n + (size_t)b * BS;
-                for (int t = 0; t < BS; t++)
-                    sg[t] = scale * acc[(size_t)g * BS + t];
+        const float *kb = kv_k_block(c, l, seqs[r0]->blocks[b]);
+        for (int kvh = k0; kvh < k1; kvh++) {
+            float *si = s;
+            for (int i = r0; i < r1; i++) {
+                int n = pos[i] + 1;
+                block_dots_g(acc, q + (size_t)i * sq + (size_t)kvh * G * Dh, (size_t)Dh, G,
+                             kb + (size_t)kvh * Dh * BS, Dh, BS);
+                for (int g = 0; g < G; g++) {
+                    float *sg = si + (size_t)(kvh * G + g) * n + (size_t)b * BS;
+                    for (int t = 0; t < BS; t++)
+                        sg[t] = scale * acc[(size_t)g * BS + t];
+                }
+                si += (size_t)H * n;
             }
-            si += (size_t)G * n;
         }
     }
+    /* then each row's own, and the softmax */
     float *si = s;
     for (int i = r0; i < r1; i++) {
-        int lo = (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
-        int n = pos[i] - lo + 1, from = S * BS; /* S > 0 only when lo is 0 */
-        int j0 = from > lo ? from : lo;
-        const float *qi = q + (size_t)i * sq + (size_t)kvh * G * Dh;
-        if (i + 1 < r1)
-            prefetch_own(c, l, seqs[i + 1], pos[i + 1], row_lo(pos, i + 1, window), S, kvh, 0);
-        else
-            prefetch_own(c, l, seqs[r0], pos[r0], row_lo(pos, r0, window), S, kvh, 1);
-        if (j0 < lo + n)
-            scores(si + (j0 - lo), (size_t)n, qi, G, (size_t)Dh, c, l, seqs[i], kvh, j0,
-                   lo + n - j0, scale, acc);
-        for (int g = 0; g < G; g++)
-            softmax_row(si + (size_t)g * n, n);
-        si += (size_t)G * (pos[i] - lo + 1);
+        int lo = row_lo(pos, i, window), n = pos[i] - lo + 1;
+        int j0 = S * BS > lo ? S * BS : lo;
+        row_scores(si, q + (size_t)i * sq, c, l, seqs[i], j0, lo, n, H, k0, k1, scale, acc);
+        for (int h = k0 * G; h < k1 * G; h++)
+            softmax_row(si + (size_t)h * n, n);
+        si += (size_t)H * n;
     }
     /* values: shared blocks for all rows, then each row's own */
     for (int i = r0; i < r1; i++)
-        memset(out + (size_t)i * sq + (size_t)kvh * G * Dh, 0, sizeof(float) * (size_t)G * Dh);
+        memset(out + (size_t)i * sq + (size_t)k0 * G * Dh, 0,
+               sizeof(float) * (size_t)(k1 - k0) * G * Dh);
     for (int b = 0; b < S; b++) {
-        const float *vb = kv_v_block(c, l, seqs[r0]->blocks[b]) + (size_t)kvh * BS * Dh;
-        si = s;
-        for (int i = r0; i < r1; i++) {
-            int n = pos[i] + 1;
-            float *oi = out + (size_t)i * sq + (size_t)kvh * G * Dh;
-            block_values_g(oi, si + (size_t)b * BS, (size_t)n, G, vb, BS, Dh);
-            si += (size_t)G * n;
+        const float *vb = kv_v_block(c, l, seqs[r0]->blocks[b]);
+        for (int kvh = k0; kvh < k1; kvh++) {
+            si = s;
+            for (int i = r0; i < r1; i++) {
+                int n = pos[i] + 1;
+                block_values_g(out + (size_t)i * sq + (size_t)kvh * G * Dh,
+                               si + (size_t)kvh * G * n + (size_t)b * BS, (size_t)n, G,
+                               vb + (size_t)kvh * BS * Dh, BS, Dh);
+                si += (size_t)H * n;
+            }
         }
     }
     si = s;
     for (int i = r0; i < r1; i++) {
-        int lo = (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
-        int n = pos[i] - lo + 1;
-        if (i + 1 < r1)
-            prefetch_own(c, l, seqs[i + 1], pos[i + 1], row_lo(pos, i + 1, window), S, kvh, 1);
-        values(out + (size_t)i * sq + (size_t)kvh * G * Dh, si, G, c, l, seqs[i], kvh, lo, n, S);
-        si += (size_t)G * n;
+        int lo = row_lo(pos, i, window), n = pos[i] - lo + 1;
+        int j0 = S * BS > lo ? S * BS : lo;
+        row_values(out + (size_t)i * sq, si, c, l, seqs[i], j0, lo, n, H, k0, k1);
+        si += (size_t)H * n;
     }
 }
 
@@ -424,9 +417,9 @@ static int shared_blocks(const kv_cache_t *c, const kv_seq_t *const *seqs, const
     return S;
 }
 
-void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
-                         const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
-                         int window) {
+static void decode_attention(float *out, const float *q, const kv_new_t *kn, const kv_cache_t *c,
+                             int l, const kv_seq_t *const *seqs, const int32_t *pos, int N, int H,
+                             float scale, int window) {
     int Hkv = c->Hkv;
     MO_ASSERT(H > 0 && H % Hkv == 0 && window >= 0 && l >= 0 && l < c->L);
     size_t work = 0;
@@ -445,14 +438,35 @@ void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
             start[ng++] = i;
     }
     start[ng] = N;
-    int tasks = ng * Hkv;
+    /* Each group's kv heads in one task (a block is one read), or split in parts when
+     * there are fewer groups than twice the threads. */
+    int parts = 1, nth = work > PAR_MIN ? omp_get_max_threads() : 1;
+    while (parts < Hkv && ng * parts < 2 * nth)
+        parts++;
 #pragma omp parallel for schedule(dynamic, 1) if (work > PAR_MIN)
-    for (int t = 0; t < tasks; t++) {
-        int gi = t / Hkv, kvh = t % Hkv;
+    for (int t = 0; t < ng * parts; t++) {
+        int gi = t / parts, p = t % parts;
         int r0 = start[gi], r1 = start[gi + 1];
         int S = shared_blocks(c, seqs, pos, r0, r1, window);
-        group_task(out, q, c, l, seqs, pos, r0, r1, S, H, kvh, scale, window);
+        group_task(out, q, kn, c, l, seqs, pos, r0, r1, S, H, p * Hkv / parts,
+                   (p + 1) * Hkv / parts, scale, window);
     }
+}
+
+void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
+                         const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
+                         int window) {
+    decode_attention(out, q, NULL, c, l, seqs, pos, N, H, scale, window);
+}
+
+void attn_decode_store_forward(float *out, const float *q, const float *k, const float *v,
+                               const kv_cache_t *c, int l, const kv_seq_t *const *seqs,
+                               const int32_t *pos, int N, int H, float scale, int window) {
+    MO_ASSERT(c->parts == 2);
+    for (int i = 1; i < N; i++)
+        MO_ASSERT(seqs[i] != seqs[i - 1]);
+    kv_new_t kn = {k, v};
+    decode_attention(out, q, &kn, c, l, seqs, pos, N, H, scale, window);
 }
 
 /* Slots scored at once by attn_decode_latent (a block is taken in chunks of this). */
@@ -502,7 +516,7 @@ static void latent_task(float *out, const float *q, const kv_cache_t *c, int l, 
 void attn_decode_latent(float *out, const float *q, const kv_cache_t *c, int l,
                         const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, int Dc,
                         float scale) {
-    MO_ASSERT(c->Hkv == 1 && !c->v && Dc >= 1 && Dc <= c->Dh && l >= 0 && l < c->L);
+    MO_ASSERT(c->Hkv == 1 && c->parts == 1 && Dc >= 1 && Dc <= c->Dh && l >= 0 && l < c->L);
     size_t work = 0, W = (size_t)c->Dh;
     for (int i = 0; i < N; i++) {
         MO_ASSERT(pos[i] >= 0 && pos[i] < seqs[i]->len);

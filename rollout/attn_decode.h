@@ -24,11 +24,21 @@ extern "C" {
  * after kv_seq_fork) are attended together, up to 16 rows: each shared block's keys and
  * values are read once for all their queries instead of once per row. A row's arithmetic
  * is the same either way (scores per block, values added block by block in order), so its
- * result does not depend on the other rows. Work is split over (group, kv head) pairs,
- * each written by one thread: the same bits on any thread count. */
+ * result does not depend on the other rows. Work is split over groups (all kv heads of a
+ * block read together), or (group, kv heads) parts when groups are fewer than twice the
+ * threads, each part written by one thread: the same bits on any thread count. */
 void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
                          const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
                          int window);
+
+/* attn_decode_forward after storing each row's key and value, k and v (N, Hkv, Dh), at
+ * pos[i] of its sequence (as kv_write does; positions up to pos[i] - 1 are already in the
+ * cache). Each row's store is made by the task that then reads its block, while the block
+ * is in cache. Every row must be a different sequence (one new token each: a decode step);
+ * the results are the same bits as kv_write then attn_decode_forward. */
+void attn_decode_store_forward(float *out, const float *q, const float *k, const float *v,
+                               const kv_cache_t *c, int l, const kv_seq_t *const *seqs,
+                               const int32_t *pos, int N, int H, float scale, int window);
 
 /* Multi-head latent attention over a latent cache (kv_cache_init_latent: one row of
  * W = c->Dh floats per token). Row i, head h: out[i, h] (Dc) = sum_j softmax_j(scale *

@@ -646,17 +646,17 @@ static int attention(const model_t *m, arena_t *ar, float *o, const float *x, rl
     ALLOC(kr, ar, (size_t)N * kvd);
     TRY(norm_rope(m, ar, qr, q, r->q_norm, b->pos, N, m->H));
     TRY(norm_rope(m, ar, kr, kk, r->k_norm, b->pos, N, m->Hkv));
-    for (int i = 0; i < N; i++)
-        kv_write(c, b->seqs[i], l, b->pos[i], kr + (size_t)i * kvd, v + (size_t)i * kvd);
     ALLOC(att, ar, (size_t)N * qd);
     if (b->prefill) {
+        for (int i = 0; i < N; i++)
+            kv_write(c, b->seqs[i], l, b->pos[i], kr + (size_t)i * kvd, v + (size_t)i * kvd);
         float *lse;
         ALLOC(lse, ar, (size_t)N * m->H);
         k->attention_forward(att, lse, qr, kr, v, b->cu, b->B, m->H, m->Hkv, m->Dh, m->attn_scale,
                              r->ly->window);
     } else {
-        attn_decode_forward(att, qr, c, l, (const kv_seq_t *const *)b->seqs, b->pos, N, m->H,
-                            m->attn_scale, r->ly->window);
+        attn_decode_store_forward(att, qr, kr, v, c, l, (const kv_seq_t *const *)b->seqs, b->pos,
+                                  N, m->H, m->attn_scale, r->ly->window);
     }
     return proj_n(m, ar, &r->o, &o, att, o_v, o_l, &D, 1, N, qd);
 }

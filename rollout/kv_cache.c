@@ -27,17 +27,19 @@ static int cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_toke
     c->block_tokens = block_tokens;
     c->n_blocks = (int)nb;
     c->row = (size_t)Hkv * (size_t)Dh;
-    size_t floats = (size_t)L * (size_t)nb * (size_t)block_tokens * c->row;
-    c->k = malloc(sizeof(float) * floats);
-    c->v = values ? malloc(sizeof(float) * floats) : NULL;
+    c->parts = values ? 2 : 1;
+    size_t floats = (size_t)L * (size_t)nb * (size_t)block_tokens * c->row * (size_t)c->parts;
+    c->mem = malloc(sizeof(float) * floats);
     c->ref = calloc((size_t)nb, sizeof *c->ref);
     c->free_blocks = malloc(sizeof *c->free_blocks * (size_t)nb);
-    if (!c->k || (values && !c->v) || !c->ref || !c->free_blocks) {
+    if (!c->mem || !c->ref || !c->free_blocks) {
         kv_cache_free(c);
         return mo_errorf(MO_ENOMEM, "kv cache: out of memory for %lld tokens (%.1f MiB)",
-                         (long long)budget_tokens,
-                         (values ? 2.0 : 1.0) * sizeof(float) * (double)floats / 1048576.0);
+                         (long long)budget_tokens, sizeof(float) * (double)floats / 1048576.0);
     }
+    /* Touched now, so that first-touch page faults and the kernel's zeroing stay out of
+     * the decode steps and a budget the machine cannot hold shows when the engine starts. */
+    memset(c->mem, 0, sizeof(float) * floats);
     /* Popped from the end: block 0 first. */
     for (int i = 0; i < c->n_blocks; i++)
         c->free_blocks[i] = c->n_blocks - 1 - i;
@@ -54,12 +56,11 @@ int kv_cache_init_latent(kv_cache_t *c, int L, int width, int64_t budget_tokens,
 }
 
 size_t kv_cache_token_bytes(const kv_cache_t *c) {
-    return sizeof(float) * (size_t)c->L * c->row * (c->v ? 2u : 1u);
+    return sizeof(float) * (size_t)c->L * c->row * (size_t)c->parts;
 }
 
 void kv_cache_free(kv_cache_t *c) {
-    free(c->k);
-    free(c->v);
+    free(c->mem);
     free(c->ref);
     free(c->free_blocks);
     memset(c, 0, sizeof *c);
@@ -161,7 +162,7 @@ int kv_seq_fork(kv_cache_t *c, kv_seq_t *dst, const kv_seq_t *src, int64_t *budg
         size_t n = (size_t)c->block_tokens * c->row; /* whole block: keys are transposed */
         for (int l = 0; l < c->L; l++) {
             memcpy(kv_k_block(c, l, b), kv_k_block(c, l, src->blocks[full]), sizeof(float) * n);
-            if (c->v)
+            if (c->parts == 2)
                 memcpy(kv_v_block(c, l, b), kv_v_block(c, l, src->blocks[full]), sizeof(float) * n);
         }
         dst->blocks[dst->n_blocks++] = b;
@@ -182,26 +183,25 @@ void kv_seq_release(kv_cache_t *c, kv_seq_t *s) {
 }
 
 float *kv_k_block(const kv_cache_t *c, int l, int32_t b) {
-    return c->k +
-           (((size_t)l * (size_t)c->n_blocks + (size_t)b) * (size_t)c->block_tokens) * c->row;
+    size_t blk = (size_t)c->block_tokens * c->row;
+    return c->mem + ((size_t)l * (size_t)c->n_blocks + (size_t)b) * (size_t)c->parts * blk;
 }
 
 float *kv_v_block(const kv_cache_t *c, int l, int32_t b) {
-    if (!c->v)
+    if (c->parts == 1)
         return NULL;
-    return c->v +
-           (((size_t)l * (size_t)c->n_blocks + (size_t)b) * (size_t)c->block_tokens) * c->row;
+    return kv_k_block(c, l, b) + (size_t)c->block_tokens * c->row;
 }
 
-void kv_write(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const float *k,
-              const float *v) {
-    MO_ASSERT(pos >= 0 && pos < s->len);
+void kv_write_heads(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const float *k,
+                    const float *v, int h0, int h1) {
+    MO_ASSERT(pos >= 0 && pos < s->len && h0 >= 0 && h0 <= h1 && h1 <= c->Hkv);
     int32_t b = s->blocks[pos / c->block_tokens];
     MO_ASSERT(c->ref[b] == 1);
-    MO_ASSERT((v != NULL) == (c->v != NULL));
+    MO_ASSERT((v != NULL) == (c->parts == 2));
     size_t BS = (size_t)c->block_tokens, o = (size_t)(pos % c->block_tokens), Dh = (size_t)c->Dh;
     float *kb = kv_k_block(c, l, b), *vb = kv_v_block(c, l, b);
-    for (size_t h = 0; h < (size_t)c->Hkv; h++) {
+    for (size_t h = (size_t)h0; h < (size_t)h1; h++) {
         float *kt = kb + h * Dh * BS + o; /* column o of (Dh, BS) */
         const float *kh = k + h * Dh;
         for (size_t d = 0; d < Dh; d++)
@@ -209,6 +209,11 @@ void kv_write(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const floa
         if (vb)
             memcpy(vb + (h * BS + o) * Dh, v + h * Dh, sizeof(float) * Dh);
     }
+}
+
+void kv_write(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const float *k,
+              const float *v) {
+    kv_write_heads(c, s, l, pos, k, v, 0, c->Hkv);
 }
 
 void kv_read(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, float *k, float *v) {

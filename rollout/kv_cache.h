@@ -16,7 +16,9 @@ extern "C" {
  * A sequence's token at position p lives in slot p % BS of block blocks[p / BS] of its
  * block table. Within a block, keys are stored transposed per kv head, (Hkv, Dh, BS),
  * so that the scores of a query against a whole block are one vector loop over the
- * slots; values are (Hkv, BS, Dh). Blocks carry a reference count: kv_seq_fork lets a new sequence
+ * slots; values are (Hkv, BS, Dh). A block's keys and values are adjacent in memory (one
+ * run of 2 BS Hkv Dh floats per layer), so that reading a block is one long sequential
+ * read rather than several page-sized ones. Blocks carry a reference count: kv_seq_fork lets a new sequence
  * hold the full blocks of another (the prompt shared by G samples) and copies the last, partial
  * one, so every write goes to a block only its sequence holds.
  *
@@ -32,8 +34,9 @@ typedef struct kv_cache {
     int block_tokens;     /* BS */
     int n_blocks;         /* NB */
     size_t row;           /* Hkv * Dh floats per token and layer */
-    float *k;             /* (L, NB, Hkv, Dh, BS) */
-    float *v;             /* (L, NB, Hkv, BS, Dh); NULL for a latent (keys-only) cache */
+    int parts;            /* 2: keys and values; 1: a latent (keys-only) cache */
+    float *mem;           /* (L, NB, parts, BS * row): each block's keys (Hkv, Dh, BS), then
+                           * its values (Hkv, BS, Dh) */
     int32_t *ref;         /* (NB) sequences holding each block; 0 = free */
     int32_t *free_blocks; /* (NB) stack of free block ids, n_free on it */
     int n_free;
@@ -48,10 +51,11 @@ typedef struct kv_seq {
 } kv_seq_t;
 
 /* budget_tokens >= 1; block_tokens 0 means KV_BLOCK_TOKENS. The memory is allocated
- * once (untouched pages cost nothing until used). MO_ENOMEM names the bytes. */
+ * once and touched (zeroed) at once, so that no page fault lands in a decode step. MO_ENOMEM
+ * names the bytes. */
 int kv_cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens, int block_tokens);
 /* A keys-only cache of one row of `width` floats per token and layer, stored as keys
- * (1, width, BS) with no value array (v NULL): the compressed latent of multi-head latent
+ * (1, width, BS) with no values (parts 1): the compressed latent of multi-head latent
  * attention, whose values are read from the same row (attn_decode_latent). kv_write and
  * kv_read take v NULL for it; kv_v_block returns NULL. */
 int kv_cache_init_latent(kv_cache_t *c, int L, int width, int64_t budget_tokens, int block_tokens);
@@ -90,6 +94,9 @@ void kv_seq_release(kv_cache_t *c, kv_seq_t *s);
  * holds. */
 void kv_write(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const float *k,
               const float *v);
+/* kv_write for kv heads h0 .. h1-1 only (k and v are still (Hkv, Dh)). */
+void kv_write_heads(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, const float *k,
+                    const float *v, int h0, int h1);
 /* Reads position pos of layer l back into k and v (Hkv, Dh). */
 void kv_read(const kv_cache_t *c, const kv_seq_t *s, int l, int pos, float *k, float *v);
 /* Block b of layer l: keys (Hkv, Dh, BS), values (Hkv, BS, Dh). */

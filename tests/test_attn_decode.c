@@ -1,7 +1,7 @@
 /* Tests for rollout/attn_decode: attention of new rows over a paged KV cache against the
  * packed causal attention kernel (GQA, sliding windows, sequences spanning several
- * blocks, shared blocks after a fork, one row per sequence and whole chunks), and the
- * same bits on one and two threads. */
+ * blocks, shared blocks after a fork, one row per sequence and whole chunks), the
+ * store-and-attend call, and the same bits on one and two threads. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -181,6 +181,53 @@ static void test_shared_prefix_batch(void) {
     fx_free(&f);
 }
 
+/* attn_decode_store_forward stores each row's new key and value at its position, then
+ * gives the bits attn_decode_forward gives over the stored cache, on 1 and 2 threads (with
+ * fewer groups than twice the threads, a group's kv heads are split among tasks). */
+static void test_store_forward(void) {
+    fx_t f;
+    fx_init(&f, 0);
+    enum { NF = 2, NR = NF + 2 };
+    kv_seq_t forks[NF];
+    memset(forks, 0, sizeof forks);
+    int64_t budget = 4 * NR;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_reserve(&f.c, budget), 1);
+    for (int k = 0; k < NF; k++)
+        CU_ASSERT_EQUAL_FATAL(kv_seq_fork(&f.c, &forks[k], &f.s[2], &budget), 0);
+    kv_seq_t *seqs[NR] = {&f.s[1], &f.s[2], &forks[0], &forks[1]};
+    int32_t pos[NR];
+    for (int i = 0; i < NR; i++) {
+        pos[i] = seqs[i]->len;
+        CU_ASSERT_EQUAL_FATAL(kv_seq_grow(&f.c, seqs[i], pos[i] + 1, &budget), 0);
+    }
+    float q[NR * H * DH], k[NR * HKV * DH], v[NR * HKV * DH];
+    float out[2][NR * H * DH], again[NR * H * DH], kb[HKV * DH], vb[HKV * DH];
+    tu_fill(q, NR * H * DH, 7, -1.5f, 1.5f);
+    tu_fill(k, NR * HKV * DH, 8, -1.5f, 1.5f);
+    tu_fill(v, NR * HKV * DH, 9, -1.0f, 1.0f);
+    int threads = backend_cpu_threads();
+    for (int r = 0; r < 2; r++) {
+        backend_cpu_set_threads(r + 1);
+        tu_poison(out[r], NR * H * DH);
+        attn_decode_store_forward(out[r], q, k, v, &f.c, 1, (const kv_seq_t *const *)seqs, pos,
+                                  NR, H, 0.35f, 0);
+        for (int i = 0; i < NR; i++) {
+            kv_read(&f.c, seqs[i], 1, pos[i], kb, vb);
+            CU_ASSERT(memcmp(kb, k + i * HKV * DH, sizeof kb) == 0);
+            CU_ASSERT(memcmp(vb, v + i * HKV * DH, sizeof vb) == 0);
+        }
+        tu_poison(again, NR * H * DH);
+        attn_decode_forward(again, q, &f.c, 1, (const kv_seq_t *const *)seqs, pos, NR, H, 0.35f,
+                            0);
+        CU_ASSERT(memcmp(again, out[r], sizeof again) == 0);
+    }
+    backend_cpu_set_threads(threads);
+    CU_ASSERT(memcmp(out[0], out[1], sizeof out[0]) == 0);
+    for (int k2 = 0; k2 < NF; k2++)
+        kv_seq_release(&f.c, &forks[k2]);
+    fx_free(&f);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"all rows vs packed causal attention (GQA)", test_all_rows},
@@ -188,6 +235,7 @@ int main(void) {
         {"last rows, shuffled, 1 vs 2 threads", test_last_rows_threads},
         {"forked sequence", test_forked_sequence},
         {"forks batched over shared blocks", test_shared_prefix_batch},
+        {"store and attend in one call, 1 and 2 threads", test_store_forward},
         CU_TEST_INFO_NULL,
     };
     return tu_main("attn_decode", tests);
