@@ -3,6 +3,8 @@
 
 #ifdef MOERL_HAVE_CUDA
 
+#include "actor/model_cuda_int.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,76 +15,6 @@
 #include "core/cuda/moe_cuda.h"
 #include "core/dtype.h"
 #include "core/status.h"
-
-/* Byte alignment of every buffer carved from a pool block. */
-#define MC_ALIGN 256
-
-/* One decoder layer's weights on the device. Adapter tables have A == NULL where the
- * projection has no adapter. */
-typedef struct mc_layer {
-    int moe;                           /* 1: routed experts, 0: dense MLP */
-    int moe_index;                     /* index among the MoE layers, -1 when dense */
-    int window;                        /* attention window, 0: full causal */
-    const float *attn_norm, *mlp_norm; /* (D) */
-    const float *q_norm, *k_norm;      /* (Dh), or NULL */
-    wview_t wq, wk, wv;                /* (H Dh, D), (Hkv Dh, D), (Hkv Dh, D) */
-    wview_t wo;                        /* (D, H Dh) */
-    moe_cuda_lora_t lq, lk, lv, lo;    /* one-entry tables */
-    wview_t router;                    /* (E, D) f32 */
-    int norm_topk;                     /* router_cfg_t.norm_topk_prob */
-    float route_scale;                 /* router_cfg_t.routed_scaling_factor */
-    moe_cuda_experts_t ex;             /* E routed experts, or the dense MLP as one */
-    int n_ex;                          /* E, or 1 for a dense layer */
-    int F;                             /* hidden width of one expert (or the dense MLP) */
-} mc_layer_t;
-
-/* The per-call device buffers, carved from mc->smem. */
-typedef struct mc_scratch {
-    int32_t *tok, *pos, *tgt;  /* (T) */
-    int32_t *cu;               /* (B + 1) */
-    int32_t *off1;             /* (2) {0, T}: the offsets of a one-expert group */
-    int32_t *route;            /* (M, T, K) experts of each MoE layer's tokens */
-    float *x;                  /* (T, D) residual stream */
-    float *h1;                 /* (T, D) x + attention */
-    float *ln;                 /* (T, D) rmsnorm output */
-    float *o;                  /* (T, D) attention output projection, then the ffn output */
-    float *q, *qr, *att;       /* (T, H Dh) */
-    float *k, *kr, *v;         /* (T, Hkv Dh) */
-    float *lse_att;            /* (T, H) */
-    float *rstd;               /* (T H) */
-    float *xa;                 /* (T, R) adapter inputs of the attention projections */
-    float *rlogits, *probs;    /* (T, E) */
-    float *val, *wt;           /* (T, K) */
-    float *xg, *yg;            /* (rows_ex, D) rows grouped by expert */
-    float *g, *u, *h;          /* (rows_ex, F) */
-    float *xa_g, *xa_u, *xa_d; /* (rows_ex, R) */
-    float *hf;                 /* (T, D) final norm */
-    float *lse, *logp, *ent;   /* (T) */
-    float *logits;             /* (rows, V) one chunk of logits */
-} mc_scratch_t;
-
-struct model_cuda {
-    const model_t *m;
-    const backend_t *be;
-    int L, D, H, Hkv, Dh, E, K, V;
-    int R;                    /* adapter rank, 0 without an adapter */
-    const lora_adapter_t *ad; /* the adapter uploaded, or NULL */
-    float *dparams;           /* (ad->n_params) its parameters on the device */
-    int Fmax;                 /* the widest expert or dense MLP */
-    int n_moe;                /* MoE layers */
-    int dense;                /* 1 when some layer is dense */
-    wview_t embed, lm_head;   /* (V, D) */
-    const float *final_norm;  /* (D) */
-    const float *inv_freq;    /* (Dh / 2) */
-    mc_layer_t *layers;       /* (L) */
-    void *wmem;               /* the pool block of weights and tables */
-    void *smem;               /* the pool block of scratch */
-    size_t scap;              /* its bytes */
-    moe_cuda_plan_t plan;     /* for plan_T tokens */
-    int plan_T;
-    int replay; /* 1: this call's batch replays its routing */
-    mc_scratch_t s;
-};
 
 /* ------------------------------------------------------------------------ */
 /* What the device path covers.                                              */
@@ -198,13 +130,15 @@ typedef struct up {
     const void **tab;         /* (E) host staging for pointer tables */
     const lora_adapter_t *ad; /* the bound adapter, or NULL */
     const float *dparams;     /* (ad->n_params) its parameters on the device (fill pass) */
+    const float *dgrads;      /* (ad->n_params) their gradients on the device (fill pass) */
 } up_t;
 
 static size_t align_up(size_t n) {
     return (n + MC_ALIGN - 1) / MC_ALIGN * MC_ALIGN;
 }
 
-/* *dst = the device copy of bytes of host memory (NULL in the sizing pass). */
+/* *dst = the device copy of bytes of host memory (NULL in the sizing pass); host NULL only
+ * reserves the bytes. */
 static int put(up_t *u, const void **dst, const void *host, size_t bytes) {
     size_t o = align_up(u->off);
     u->off = o + bytes;
@@ -212,7 +146,7 @@ static int put(up_t *u, const void **dst, const void *host, size_t bytes) {
     if (!u->base)
         return MO_OK;
     *dst = u->base + o;
-    if (bytes > 0)
+    if (bytes > 0 && host)
         TRY(u->be->copy(u->be, u->base + o, DEV_CUDA, host, DEV_CPU, bytes));
     return MO_OK;
 }
@@ -260,13 +194,14 @@ static int put_tab(up_t *u, const void *const **dst, int n) {
     return MO_OK;
 }
 
-/* The device address of the adapter's parameters at host address x (an A or B of one of its
- * pairs): the same offset into u->dparams. NULL in the sizing pass. */
-static int dparam(up_t *u, const void **dst, const float *x, size_t n) {
+/* The device address in dev (u->dparams or u->dgrads) of the adapter's parameter at host
+ * address x (an A or B of one of its pairs): the same offset from the start. NULL in the
+ * sizing pass. */
+static int dparam(up_t *u, const void **dst, const float *dev, const float *x, size_t n) {
     const float *lo = u->ad->params, *hi = lo + u->ad->n_params;
     if (x < lo || x + n > hi)
         return mo_errorf(MO_EINVAL, "model_cuda: an adapter pair lies outside its parameters");
-    *dst = u->dparams ? (const void *)(u->dparams + (x - lo)) : NULL;
+    *dst = dev ? (const void *)(dev + (x - lo)) : NULL;
     return MO_OK;
 }
 
@@ -284,33 +219,37 @@ static int put_lora(up_t *u, moe_cuda_lora_t *l, const lora_pair_t *const *p, in
         }
     if (!any)
         return MO_OK;
-    const void **A = malloc(sizeof(void *) * 2 * (size_t)n);
-    if (!A)
+    /* (4, n) staging: A, B, then dA, dB at the same offsets into the gradients. */
+    const void **tabs = malloc(sizeof(void *) * 4 * (size_t)n);
+    if (!tabs)
         return mo_errorf(MO_ENOMEM, "model_cuda: adapter tables");
-    const void **B = A + n;
     int rc = MO_OK;
     for (int e = 0; e < n && rc == MO_OK; e++) {
-        A[e] = B[e] = NULL;
+        for (int j = 0; j < 4; j++)
+            tabs[(size_t)j * n + e] = NULL;
         if (!p[e])
             continue;
-        rc = dparam(u, &A[e], p[e]->A, (size_t)l->R * C);
+        size_t na = (size_t)l->R * C, nb = (size_t)OC * l->R;
+        rc = dparam(u, &tabs[e], u->dparams, p[e]->A, na);
         if (rc == MO_OK)
-            rc = dparam(u, &B[e], p[e]->B, (size_t)OC * l->R);
+            rc = dparam(u, &tabs[(size_t)n + e], u->dparams, p[e]->B, nb);
+        if (rc == MO_OK)
+            rc = dparam(u, &tabs[(size_t)2 * n + e], u->dgrads, p[e]->A, na);
+        if (rc == MO_OK)
+            rc = dparam(u, &tabs[(size_t)3 * n + e], u->dgrads, p[e]->B, nb);
     }
-    const void *const *ta = NULL, *const *tb = NULL;
-    if (rc == MO_OK) {
-        memcpy(u->tab, A, sizeof(void *) * (size_t)n);
-        rc = put_tab(u, &ta, n);
+    const void *const *t[4] = {NULL, NULL, NULL, NULL};
+    for (int j = 0; j < 4 && rc == MO_OK; j++) {
+        memcpy(u->tab, tabs + (size_t)j * n, sizeof(void *) * (size_t)n);
+        rc = put_tab(u, &t[j], n);
     }
-    if (rc == MO_OK) {
-        memcpy(u->tab, B, sizeof(void *) * (size_t)n);
-        rc = put_tab(u, &tb, n);
-    }
-    free(A);
+    free(tabs);
     TRY(rc);
     /* In the sizing pass the tables are NULL: mark the adapter present all the same. */
-    l->A = ta ? (const float *const *)ta : (const float *const *)u->tab;
-    l->B = (const float *const *)tb;
+    l->A = t[0] ? (const float *const *)t[0] : (const float *const *)u->tab;
+    l->B = (const float *const *)t[1];
+    l->dA = (float *const *)t[2];
+    l->dB = (float *const *)t[3];
     return MO_OK;
 }
 
@@ -386,8 +325,10 @@ static int layout(model_cuda_t *mc, up_t *u) {
     u->ad = m->adapter;
     if (u->ad) {
         TRY(put_f(u, &u->dparams, u->ad->params, u->ad->n_params));
+        TRY(put_f(u, &u->dgrads, NULL, u->ad->n_params)); /* reserved, zeroed by the backward */
         mc->ad = u->ad;
         mc->dparams = (float *)u->dparams;
+        mc->dgrads = (float *)u->dgrads;
     }
     TRY(put_w(u, &mc->embed, &m->embed, V, D));
     if (m->lm_head.data == m->embed.data && m->lm_head.dtype == m->embed.dtype)
@@ -408,7 +349,7 @@ static int layout(model_cuda_t *mc, up_t *u) {
 }
 
 static int upload(model_cuda_t *mc) {
-    up_t u = {mc->be, NULL, 0, NULL, NULL, NULL};
+    up_t u = {mc->be, NULL, 0, NULL, NULL, NULL, NULL};
     int n = mc->E > 1 ? mc->E : 1;
     u.tab = calloc((size_t)n, sizeof(void *));
     if (!u.tab)
@@ -421,6 +362,7 @@ static int upload(model_cuda_t *mc) {
         u.base = p;
         u.off = 0;
         u.dparams = NULL;
+        u.dgrads = NULL;
     }
     if (rc == MO_OK)
         rc = layout(mc, &u);
@@ -473,6 +415,7 @@ void model_cuda_free(model_cuda_t **pmc) {
     model_cuda_t *mc = *pmc;
     if (mc->be) {
         mc->be->synchronize(mc->be); /* no queued work may still read the blocks */
+        mc_train_free(mc);
         moe_cuda_plan_free(&mc->plan);
         if (mc->smem)
             mc->be->free(mc->be, mc->smem);
@@ -495,6 +438,7 @@ int model_cuda_sync_adapter(model_cuda_t *mc) {
         return mo_errorf(MO_ESTATE, "model_cuda_sync_adapter: the adapter uploaded is no longer "
                                     "bound to the model");
     TRY(mc->be->synchronize(mc->be)); /* no queued work still reads the old parameters */
+    mc_train_invalidate(mc);
     return mc->be->copy(mc->be, mc->dparams, DEV_CUDA, mc->ad->params, DEV_CPU,
                         sizeof(float) * mc->ad->n_params);
 }
@@ -502,22 +446,24 @@ int model_cuda_sync_adapter(model_cuda_t *mc) {
 /* ------------------------------------------------------------------------ */
 /* Scratch.                                                                  */
 
-typedef struct bump {
-    char *base; /* NULL: sizing */
-    size_t off;
-} bump_t;
-
-static void *bump(bump_t *b, size_t bytes) {
+void *mc_bump(mc_bump_t *b, size_t bytes) {
     size_t o = align_up(b->off);
     b->off = o + (bytes > 0 ? bytes : 1);
     return b->base ? b->base + o : NULL;
 }
 
-#define BUMP(ptr, b, n) ((ptr) = bump((b), sizeof(*(ptr)) * (size_t)(n)))
+void mc_ids_layout(const model_cuda_t *mc, mc_bump_t *b, mc_ids_t *id, int T, int B) {
+    MC_BUMP(id->tok, b, T);
+    MC_BUMP(id->pos, b, T);
+    MC_BUMP(id->tgt, b, T);
+    MC_BUMP(id->cu, b, B + 1);
+    MC_BUMP(id->off1, b, 2);
+    MC_BUMP(id->route, b, (size_t)mc->n_moe * T * mc->K);
+}
 
 /* Rows of logits formed at a time: model_opts_t.logits_chunk_rows when set, else up to 256 MiB
  * of logits (fewer passes over lm_head than the CPU's default). */
-static int logits_rows(const model_cuda_t *mc, int T) {
+int mc_logits_rows(const model_cuda_t *mc, int T) {
     int r = mc->m->opts.logits_chunk_rows > 0 ? mc->m->opts.logits_chunk_rows : (1 << 26) / mc->V;
     r = r > 0 ? r : 1;
     return r < T ? r : T;
@@ -525,53 +471,47 @@ static int logits_rows(const model_cuda_t *mc, int T) {
 
 /* Carves the buffers for T tokens of B sequences; returns the bytes. */
 static size_t scratch_layout(const model_cuda_t *mc, mc_scratch_t *s, char *base, int T, int B) {
-    bump_t b = {base, 0};
+    mc_bump_t b = {base, 0};
     size_t TD = (size_t)T * mc->D, qd = (size_t)T * mc->H * mc->Dh;
     size_t kvd = (size_t)T * mc->Hkv * mc->Dh, S = (size_t)T * mc->K;
     size_t rows_ex = mc->n_moe ? S : 0;
     rows_ex = mc->dense && (size_t)T > rows_ex ? (size_t)T : rows_ex;
     size_t R = (size_t)(mc->R > 0 ? mc->R : 1);
-    BUMP(s->tok, &b, T);
-    BUMP(s->pos, &b, T);
-    BUMP(s->tgt, &b, T);
-    BUMP(s->cu, &b, B + 1);
-    BUMP(s->off1, &b, 2);
-    BUMP(s->route, &b, (size_t)mc->n_moe * S);
-    BUMP(s->x, &b, TD);
-    BUMP(s->h1, &b, TD);
-    BUMP(s->ln, &b, TD);
-    BUMP(s->o, &b, TD);
-    BUMP(s->q, &b, qd);
-    BUMP(s->qr, &b, qd);
-    BUMP(s->att, &b, qd);
-    BUMP(s->k, &b, kvd);
-    BUMP(s->kr, &b, kvd);
-    BUMP(s->v, &b, kvd);
-    BUMP(s->lse_att, &b, (size_t)T * mc->H);
-    BUMP(s->rstd, &b, (size_t)T * mc->H);
-    BUMP(s->xa, &b, (size_t)T * R);
-    BUMP(s->rlogits, &b, (size_t)T * mc->E);
-    BUMP(s->probs, &b, (size_t)T * mc->E);
-    BUMP(s->val, &b, S);
-    BUMP(s->wt, &b, S);
-    BUMP(s->xg, &b, rows_ex * mc->D);
-    BUMP(s->yg, &b, rows_ex * mc->D);
-    BUMP(s->g, &b, rows_ex * mc->Fmax);
-    BUMP(s->u, &b, rows_ex * mc->Fmax);
-    BUMP(s->h, &b, rows_ex * mc->Fmax);
-    BUMP(s->xa_g, &b, rows_ex * R);
-    BUMP(s->xa_u, &b, rows_ex * R);
-    BUMP(s->xa_d, &b, rows_ex * R);
-    BUMP(s->hf, &b, TD);
-    BUMP(s->lse, &b, T);
-    BUMP(s->logp, &b, T);
-    BUMP(s->ent, &b, T);
-    BUMP(s->logits, &b, (size_t)logits_rows(mc, T) * mc->V);
+    mc_ids_layout(mc, &b, &s->id, T, B);
+    MC_BUMP(s->x, &b, TD);
+    MC_BUMP(s->h1, &b, TD);
+    MC_BUMP(s->ln, &b, TD);
+    MC_BUMP(s->o, &b, TD);
+    MC_BUMP(s->q, &b, qd);
+    MC_BUMP(s->qr, &b, qd);
+    MC_BUMP(s->att, &b, qd);
+    MC_BUMP(s->k, &b, kvd);
+    MC_BUMP(s->kr, &b, kvd);
+    MC_BUMP(s->v, &b, kvd);
+    MC_BUMP(s->lse_att, &b, (size_t)T * mc->H);
+    MC_BUMP(s->rstd, &b, (size_t)T * mc->H);
+    MC_BUMP(s->xa, &b, (size_t)T * R);
+    MC_BUMP(s->rlogits, &b, (size_t)T * mc->E);
+    MC_BUMP(s->probs, &b, (size_t)T * mc->E);
+    MC_BUMP(s->val, &b, S);
+    MC_BUMP(s->wt, &b, S);
+    MC_BUMP(s->xg, &b, rows_ex * mc->D);
+    MC_BUMP(s->yg, &b, rows_ex * mc->D);
+    MC_BUMP(s->g, &b, rows_ex * mc->Fmax);
+    MC_BUMP(s->u, &b, rows_ex * mc->Fmax);
+    MC_BUMP(s->h, &b, rows_ex * mc->Fmax);
+    MC_BUMP(s->xa_g, &b, rows_ex * R);
+    MC_BUMP(s->xa_u, &b, rows_ex * R);
+    MC_BUMP(s->xa_d, &b, rows_ex * R);
+    MC_BUMP(s->hf, &b, TD);
+    MC_BUMP(s->lse, &b, T);
+    MC_BUMP(s->logp, &b, T);
+    MC_BUMP(s->ent, &b, T);
+    MC_BUMP(s->logits, &b, (size_t)mc_logits_rows(mc, T) * mc->V);
     return b.off;
 }
 
-/* The scratch block and the dispatch plan for T tokens of B sequences. */
-static int scratch_ready(model_cuda_t *mc, int T, int B) {
+int mc_scratch_ready(model_cuda_t *mc, int T, int B) {
     size_t need = scratch_layout(mc, &mc->s, NULL, T, B);
     if (need > mc->scap) {
         if (mc->smem)
@@ -598,7 +538,7 @@ static int scratch_ready(model_cuda_t *mc, int T, int B) {
 
 /* The replayed experts (T, M, K) of b: each in [0, E), none twice for one token and layer
  * (router_replay's checks, MO_EMALFORMED). */
-static int check_replay(const model_cuda_t *mc, const model_batch_t *b) {
+static int check_replay(const model_cuda_t *mc, const model_batch_t *b, const char *fn) {
     int M = mc->n_moe, K = mc->K;
     for (int t = 0; t < b->T; t++)
         for (int mi = 0; mi < M; mi++) {
@@ -606,123 +546,121 @@ static int check_replay(const model_cuda_t *mc, const model_batch_t *b) {
             for (int i = 0; i < K; i++) {
                 if (row[i] >= mc->E)
                     return mo_errorf(MO_EMALFORMED,
-                                     "model_cuda_logprobs: routing replay of MoE layer %d: token "
-                                     "%d slot %d names expert %d, outside [0, %d)",
-                                     mi, t, i, row[i], mc->E);
+                                     "%s: routing replay of MoE layer %d: token %d slot %d names "
+                                     "expert %d, outside [0, %d)",
+                                     fn, mi, t, i, row[i], mc->E);
                 for (int j = 0; j < i; j++)
                     if (row[j] == row[i])
                         return mo_errorf(MO_EMALFORMED,
-                                         "model_cuda_logprobs: routing replay of MoE layer %d: "
-                                         "token %d names expert %d twice (slots %d and %d)",
-                                         mi, t, row[i], j, i);
+                                         "%s: routing replay of MoE layer %d: token %d names "
+                                         "expert %d twice (slots %d and %d)",
+                                         fn, mi, t, row[i], j, i);
             }
         }
     return MO_OK;
 }
 
-/* The checks of model_forward. */
-static int check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *logp) {
+int mc_check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *logp,
+                   const char *fn) {
     int V = mc->V;
     if (!b || b->T < 0 || b->B < 0 || !b->cu_seqlens ||
         (b->T > 0 && (!b->tokens || !b->positions || !b->targets || !logp)))
-        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: a batch needs T >= 0, B >= 0, tokens, "
-                                    "positions, cu_seqlens, targets and a logp output");
+        return mo_errorf(MO_EINVAL,
+                         "%s: a batch needs T >= 0, B >= 0, tokens, positions, cu_seqlens, "
+                         "targets and a logp output",
+                         fn);
     if (!(b->temperature > 0.0f) || !isfinite(b->temperature))
-        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: temperature %g must be finite and > 0",
+        return mo_errorf(MO_EINVAL, "%s: temperature %g must be finite and > 0", fn,
                          (double)b->temperature);
     if (b->cu_seqlens[0] != 0 || b->cu_seqlens[b->B] != b->T)
-        return mo_errorf(MO_EINVAL,
-                         "model_cuda_logprobs: cu_seqlens must run from 0 to T = %d, "
-                         "got %d to %d",
+        return mo_errorf(MO_EINVAL, "%s: cu_seqlens must run from 0 to T = %d, got %d to %d", fn,
                          b->T, b->cu_seqlens[0], b->cu_seqlens[b->B]);
     for (int i = 0; i < b->B; i++)
         if (b->cu_seqlens[i + 1] < b->cu_seqlens[i])
-            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: cu_seqlens decreases at %d (%d > %d)",
-                             i + 1, b->cu_seqlens[i], b->cu_seqlens[i + 1]);
+            return mo_errorf(MO_EINVAL, "%s: cu_seqlens decreases at %d (%d > %d)", fn, i + 1,
+                             b->cu_seqlens[i], b->cu_seqlens[i + 1]);
     for (int t = 0; t < b->T; t++) {
         if (b->tokens[t] < 0 || b->tokens[t] >= V)
-            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: token %d is id %d, outside [0, %d)",
-                             t, b->tokens[t], V);
+            return mo_errorf(MO_EINVAL, "%s: token %d is id %d, outside [0, %d)", fn, t,
+                             b->tokens[t], V);
         if (b->targets[t] < -1 || b->targets[t] >= V)
-            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: target %d is id %d, outside [-1, %d)",
-                             t, b->targets[t], V);
+            return mo_errorf(MO_EINVAL, "%s: target %d is id %d, outside [-1, %d)", fn, t,
+                             b->targets[t], V);
         if (b->positions[t] < 0)
-            return mo_errorf(MO_EINVAL, "model_cuda_logprobs: position %d is %d, expected >= 0", t,
+            return mo_errorf(MO_EINVAL, "%s: position %d is %d, expected >= 0", fn, t,
                              b->positions[t]);
     }
-    return b->replay ? check_replay(mc, b) : MO_OK;
+    return b->replay ? check_replay(mc, b, fn) : MO_OK;
 }
 
-/* The staging address h of the device buffer p, the ids region starting at s->tok. */
-static int32_t *staged(int32_t *h, const mc_scratch_t *s, const int32_t *p) {
-    return (int32_t *)((char *)h + ((const char *)p - (const char *)s->tok));
+/* The staging address h of the device buffer p, the ids region starting at id->tok. */
+static int32_t *staged(int32_t *h, const mc_ids_t *id, const int32_t *p) {
+    return (int32_t *)((char *)h + ((const char *)p - (const char *)id->tok));
 }
 
-/* Copies the batch's ids (targets -1 as 0) and replayed experts into the scratch with one
- * host-to-device copy: scratch_layout puts tok, pos, tgt, cu, off1 and route first, in this
- * order. */
-static int upload_batch(model_cuda_t *mc, const model_batch_t *b) {
-    const mc_scratch_t *s = &mc->s;
+/* mc_ids_layout puts tok, pos, tgt, cu, off1 and route in this order: one copy fills them
+ * (targets -1 as 0; route only with a replay). */
+int mc_upload_batch(model_cuda_t *mc, const mc_ids_t *id, const model_batch_t *b, const char *fn) {
     int T = b->T, M = mc->n_moe, K = mc->K;
-    const int32_t *end = b->replay ? s->route + (size_t)M * T * K : s->off1 + 2;
-    size_t n = (size_t)((const char *)end - (const char *)s->tok);
+    const int32_t *end = b->replay ? id->route + (size_t)M * T * K : id->off1 + 2;
+    size_t n = (size_t)((const char *)end - (const char *)id->tok);
     int32_t *h = calloc(1, n);
     if (!h)
-        return mo_errorf(MO_ENOMEM, "model_cuda_logprobs: %zu bytes of staging", n);
-    int32_t *tgt = staged(h, s, s->tgt), *off1 = staged(h, s, s->off1);
-    memcpy(staged(h, s, s->tok), b->tokens, sizeof(int32_t) * (size_t)T);
-    memcpy(staged(h, s, s->pos), b->positions, sizeof(int32_t) * (size_t)T);
-    memcpy(staged(h, s, s->cu), b->cu_seqlens, sizeof(int32_t) * (size_t)(b->B + 1));
+        return mo_errorf(MO_ENOMEM, "%s: %zu bytes of staging", fn, n);
+    int32_t *tgt = staged(h, id, id->tgt), *off1 = staged(h, id, id->off1);
+    memcpy(staged(h, id, id->tok), b->tokens, sizeof(int32_t) * (size_t)T);
+    memcpy(staged(h, id, id->pos), b->positions, sizeof(int32_t) * (size_t)T);
+    memcpy(staged(h, id, id->cu), b->cu_seqlens, sizeof(int32_t) * (size_t)(b->B + 1));
     for (int t = 0; t < T; t++)
         tgt[t] = b->targets[t] >= 0 ? b->targets[t] : 0;
     off1[0] = 0;
     off1[1] = T;
     if (b->replay) { /* (T, M, K) u16 -> (M, T, K) int32 */
-        int32_t *route = staged(h, s, s->route);
+        int32_t *route = staged(h, id, id->route);
         for (int t = 0; t < T; t++)
             for (int mi = 0; mi < M; mi++)
                 for (int j = 0; j < K; j++)
                     route[((size_t)mi * T + t) * K + j] = b->replay[((size_t)t * M + mi) * K + j];
     }
-    int rc = mc->be->copy(mc->be, s->tok, DEV_CUDA, h, DEV_CPU, n);
+    int rc = mc->be->copy(mc->be, id->tok, DEV_CUDA, h, DEV_CPU, n);
     free(h);
     return rc;
 }
 
-/* out (T, OC) = inp (T, C) W^T, plus its adapter's term when l is given. */
-static int proj(const model_cuda_t *mc, float *out, const float *inp, const wview_t *w,
+/* out (T, OC) = inp (T, C) W^T, plus its adapter's term (xa (T, R) its input) when l. */
+static int proj(const model_cuda_t *mc, float *out, float *xa, const float *inp, const wview_t *w,
                 const moe_cuda_lora_t *l, int T, int C, int OC) {
     mc->be->k->matmul_forward(out, inp, w, NULL, T, C, OC);
     if (l && l->A)
-        TRY(moe_cuda_lora_forward(out, mc->s.xa, inp, l, mc->s.off1, 1, T, C, OC));
+        TRY(moe_cuda_lora_forward(out, xa, inp, l, mc->id->off1, 1, T, C, OC));
     return MO_OK;
 }
 
-/* qk (T, nh, Dh) = RoPE(norm(raw)) (norm skipped when w is NULL). */
-static void norm_rope(const model_cuda_t *mc, float *qk, const float *raw, const float *w, int T,
-                      int nh) {
+/* qk (T, nh, Dh) = RoPE(norm(raw)) (norm skipped when w is NULL; rstd (T nh) its scales). */
+static void norm_rope(const model_cuda_t *mc, float *qk, float *rstd, const float *raw,
+                      const float *w, int T, int nh) {
     const kernels_t *k = mc->be->k;
     if (w)
-        k->rmsnorm_forward(qk, mc->s.rstd, raw, w, T * nh, mc->Dh, mc->m->eps);
-    k->rope_forward(qk, w ? qk : raw, mc->s.pos, mc->inv_freq, mc->m->rope_mscale, T, nh, mc->Dh,
+        k->rmsnorm_forward(qk, rstd, raw, w, T * nh, mc->Dh, mc->m->eps);
+    k->rope_forward(qk, w ? qk : raw, mc->id->pos, mc->inv_freq, mc->m->rope_mscale, T, nh, mc->Dh,
                     mc->Dh);
 }
 
-/* s->o (T, D) = the attention block of layer ly on rmsnorm(s->x). */
-static int attention(const model_cuda_t *mc, const mc_layer_t *ly, int T, int B, int ad) {
+/* mc->s.o (T, D) = the attention block of layer ly on rmsnorm(a->x). */
+static int attention(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T, int B,
+                     int ad) {
     const kernels_t *k = mc->be->k;
-    const mc_scratch_t *s = &mc->s;
     int D = mc->D, qd = mc->H * mc->Dh, kvd = mc->Hkv * mc->Dh;
-    k->rmsnorm_forward(s->ln, s->rstd, s->x, ly->attn_norm, T, D, mc->m->eps);
-    float *q = ly->q_norm ? s->q : s->qr, *kk = ly->k_norm ? s->k : s->kr;
-    TRY(proj(mc, q, s->ln, &ly->wq, ad ? &ly->lq : NULL, T, D, qd));
-    TRY(proj(mc, kk, s->ln, &ly->wk, ad ? &ly->lk : NULL, T, D, kvd));
-    TRY(proj(mc, s->v, s->ln, &ly->wv, ad ? &ly->lv : NULL, T, D, kvd));
-    norm_rope(mc, s->qr, q, ly->q_norm, T, mc->H);
-    norm_rope(mc, s->kr, kk, ly->k_norm, T, mc->Hkv);
-    k->attention_forward(s->att, s->lse_att, s->qr, s->kr, s->v, s->cu, B, mc->H, mc->Hkv, mc->Dh,
+    k->rmsnorm_forward(a->ln1, a->rstd1, a->x, ly->attn_norm, T, D, mc->m->eps);
+    float *q = ly->q_norm ? a->q : a->qr, *kk = ly->k_norm ? a->k : a->kr;
+    TRY(proj(mc, q, a->xa_q, a->ln1, &ly->wq, ad ? &ly->lq : NULL, T, D, qd));
+    TRY(proj(mc, kk, a->xa_k, a->ln1, &ly->wk, ad ? &ly->lk : NULL, T, D, kvd));
+    TRY(proj(mc, a->v, a->xa_v, a->ln1, &ly->wv, ad ? &ly->lv : NULL, T, D, kvd));
+    norm_rope(mc, a->qr, a->rstd_q, q, ly->q_norm, T, mc->H);
+    norm_rope(mc, a->kr, a->rstd_k, kk, ly->k_norm, T, mc->Hkv);
+    k->attention_forward(a->att, a->lse, a->qr, a->kr, a->v, mc->id->cu, B, mc->H, mc->Hkv, mc->Dh,
                          mc->m->attn_scale, ly->window);
-    return proj(mc, s->o, s->att, &ly->wo, ad ? &ly->lo : NULL, T, qd, D);
+    return proj(mc, mc->s.o, a->xa_o, a->att, &ly->wo, ad ? &ly->lo : NULL, T, qd, D);
 }
 
 /* The experts (or dense MLP) table of ly, without its adapters when ad is 0. */
@@ -736,106 +674,132 @@ static moe_cuda_experts_t experts_of(const mc_layer_t *ly, int ad) {
     return w;
 }
 
-static moe_cuda_acts_t acts_of(const mc_scratch_t *s, const moe_cuda_experts_t *w) {
-    moe_cuda_acts_t a = {s->g,
-                         s->u,
-                         s->h,
-                         w->lora_gate.A ? s->xa_g : NULL,
-                         w->lora_up.A ? s->xa_u : NULL,
-                         w->lora_down.A ? s->xa_d : NULL};
-    return a;
+static moe_cuda_acts_t acts_of(const mc_acts_t *a, const moe_cuda_experts_t *w) {
+    moe_cuda_acts_t e = {a->g,
+                         a->u,
+                         a->h,
+                         w->lora_gate.A ? a->xa_g : NULL,
+                         w->lora_up.A ? a->xa_u : NULL,
+                         w->lora_down.A ? a->xa_d : NULL};
+    return e;
 }
 
-/* s->o (T, D) = the MoE layer on s->ln: router logits -> softmax -> top-k (or the replayed
+/* mc->s.o (T, D) = the MoE layer on a->ln2: router logits -> softmax -> top-k (or the replayed
  * experts) -> weights -> dispatch -> experts -> combine. */
-static int moe(model_cuda_t *mc, const mc_layer_t *ly, int T, int ad) {
+static int moe(model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T, int ad) {
     const kernels_t *k = mc->be->k;
     const mc_scratch_t *s = &mc->s;
     int D = mc->D, E = mc->E, K = mc->K, S = T * K;
-    k->matmul_forward(s->rlogits, s->ln, &ly->router, NULL, T, D, E);
-    k->softmax_forward(s->probs, s->rlogits, T, E);
-    int32_t *idx = s->route + (size_t)ly->moe_index * S; /* (T, K) */
+    k->matmul_forward(s->rlogits, a->ln2, &ly->router, NULL, T, D, E);
+    k->softmax_forward(a->probs, s->rlogits, T, E);
+    int32_t *idx = mc->id->route + (size_t)ly->moe_index * S; /* (T, K) */
     if (mc->replay)
-        TRY(model_glue_take(s->val, s->probs, idx, T, E, K));
+        TRY(model_glue_take(s->val, a->probs, idx, T, E, K));
     else
-        k->topk_forward(idx, s->val, s->probs, T, E, K);
-    TRY(model_glue_topk_weights(s->wt, s->val, T, K, ly->norm_topk, ly->route_scale));
-    TRY(moe_cuda_plan_build(&mc->plan, idx));
-    TRY(moe_cuda_dispatch_forward(s->xg, s->ln, &mc->plan, D));
+        k->topk_forward(idx, s->val, a->probs, T, E, K);
+    TRY(model_glue_topk_weights(a->wt, s->val, T, K, ly->norm_topk, ly->route_scale));
+    TRY(moe_cuda_plan_build(mc->cur_plan, idx));
+    TRY(moe_cuda_dispatch_forward(s->xg, a->ln2, mc->cur_plan, D));
     moe_cuda_experts_t w = experts_of(ly, ad);
-    moe_cuda_acts_t a = acts_of(s, &w);
-    TRY(moe_cuda_experts_forward(s->yg, &a, s->xg, mc->plan.offsets, E, S, &w, D, ly->F));
-    return moe_cuda_combine_forward(s->o, s->yg, s->wt, &mc->plan, D);
+    moe_cuda_acts_t e = acts_of(a, &w);
+    TRY(moe_cuda_experts_forward(a->yg, &e, s->xg, mc->cur_plan->offsets, E, S, &w, D, ly->F));
+    return moe_cuda_combine_forward(s->o, a->yg, a->wt, mc->cur_plan, D);
 }
 
-/* s->o (T, D) = the dense SwiGLU MLP on s->ln, as one expert owning every row. */
-static int dense(const model_cuda_t *mc, const mc_layer_t *ly, int T, int ad) {
-    const mc_scratch_t *s = &mc->s;
+/* mc->s.o (T, D) = the dense SwiGLU MLP on a->ln2, as one expert owning every row. */
+static int dense(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T, int ad) {
     moe_cuda_experts_t w = experts_of(ly, ad);
-    moe_cuda_acts_t a = acts_of(s, &w);
-    return moe_cuda_experts_forward(s->o, &a, s->ln, s->off1, 1, T, &w, mc->D, ly->F);
+    moe_cuda_acts_t e = acts_of(a, &w);
+    return moe_cuda_experts_forward(mc->s.o, &e, a->ln2, mc->id->off1, 1, T, &w, mc->D, ly->F);
 }
 
-/* s->x (T, D) = layer l applied to s->x. */
-static int layer(model_cuda_t *mc, int l, int T, int B, int ad) {
+int mc_layer_forward(model_cuda_t *mc, int l, const mc_acts_t *a, int T, int B, int ad) {
     const mc_layer_t *ly = &mc->layers[l];
-    const mc_scratch_t *s = &mc->s;
     size_t TD = (size_t)T * mc->D;
-    TRY(attention(mc, ly, T, B, ad));
-    TRY(model_glue_add(s->h1, s->x, s->o, TD));
-    mc->be->k->rmsnorm_forward(s->ln, s->rstd, s->h1, ly->mlp_norm, T, mc->D, mc->m->eps);
-    TRY(ly->moe ? moe(mc, ly, T, ad) : dense(mc, ly, T, ad));
-    return model_glue_add(s->x, s->h1, s->o, TD);
+    TRY(attention(mc, ly, a, T, B, ad));
+    TRY(model_glue_add(a->h1, a->x, mc->s.o, TD));
+    mc->be->k->rmsnorm_forward(a->ln2, a->rstd2, a->h1, ly->mlp_norm, T, mc->D, mc->m->eps);
+    TRY(ly->moe ? moe(mc, ly, a, T, ad) : dense(mc, ly, a, T, ad));
+    return model_glue_add(a->out, a->h1, mc->s.o, TD);
 }
 
-/* Final norm, chunked lm_head, logprob and entropy into s->logp, s->ent. */
-static void head(const model_cuda_t *mc, int T, float temperature) {
+void mc_head_forward(const model_cuda_t *mc, float *hf, float *rstd, float *lse, float *logp,
+                     float *ent, const float *x, int T, float temperature) {
     const kernels_t *k = mc->be->k;
-    const mc_scratch_t *s = &mc->s;
-    int D = mc->D, V = mc->V, rows = logits_rows(mc, T);
-    k->rmsnorm_forward(s->hf, s->rstd, s->x, mc->final_norm, T, D, mc->m->eps);
+    int D = mc->D, V = mc->V, rows = mc_logits_rows(mc, T);
+    k->rmsnorm_forward(hf, rstd, x, mc->final_norm, T, D, mc->m->eps);
     for (int r0 = 0; r0 < T; r0 += rows) {
         int n = T - r0 < rows ? T - r0 : rows;
-        k->matmul_forward(s->logits, s->hf + (size_t)r0 * D, &mc->lm_head, NULL, n, D, V);
-        k->logprob_forward(s->logp + r0, s->ent + r0, s->lse + r0, s->logits, s->tgt + r0, n, V,
+        k->matmul_forward(mc->s.logits, hf + (size_t)r0 * D, &mc->lm_head, NULL, n, D, V);
+        k->logprob_forward(logp + r0, ent + r0, lse + r0, mc->s.logits, mc->id->tgt + r0, n, V,
                            temperature);
     }
+}
+
+/* The scoring forward's acts: every layer on the same scratch, in place on s->x. */
+static mc_acts_t scoring_acts(const mc_scratch_t *s) {
+    mc_acts_t a;
+    memset(&a, 0, sizeof a);
+    a.x = s->x;
+    a.out = s->x;
+    a.ln1 = a.ln2 = s->ln;
+    a.rstd1 = a.rstd2 = a.rstd_q = a.rstd_k = s->rstd;
+    a.q = s->q;
+    a.k = s->k;
+    a.qr = s->qr;
+    a.kr = s->kr;
+    a.v = s->v;
+    a.att = s->att;
+    a.lse = s->lse_att;
+    a.xa_q = a.xa_k = a.xa_v = a.xa_o = s->xa;
+    a.h1 = s->h1;
+    a.probs = s->probs;
+    a.wt = s->wt;
+    a.yg = s->yg;
+    a.g = s->g;
+    a.u = s->u;
+    a.h = s->h;
+    a.xa_g = s->xa_g;
+    a.xa_u = s->xa_u;
+    a.xa_d = s->xa_d;
+    return a;
 }
 
 static int run(model_cuda_t *mc, const model_batch_t *b, int ad) {
     int T = b->T;
     mc->replay = b->replay != NULL;
-    TRY(scratch_ready(mc, T, b->B));
-    TRY(upload_batch(mc, b));
-    mc->be->k->embedding_forward(mc->s.x, mc->s.tok, &mc->embed, T, mc->D);
+    TRY(mc_scratch_ready(mc, T, b->B));
+    mc->id = &mc->s.id;
+    mc->cur_plan = &mc->plan;
+    TRY(mc_upload_batch(mc, mc->id, b, "model_cuda_logprobs"));
+    const mc_scratch_t *s = &mc->s;
+    mc->be->k->embedding_forward(s->x, s->id.tok, &mc->embed, T, mc->D);
+    mc_acts_t a = scoring_acts(s);
     for (int l = 0; l < mc->L; l++) {
-        int rc = layer(mc, l, T, b->B, ad);
+        int rc = mc_layer_forward(mc, l, &a, T, b->B, ad);
         if (rc < 0)
             return mo_error_wrap(rc, "layer %d", l);
     }
-    head(mc, T, b->temperature);
+    mc_head_forward(mc, s->hf, s->rstd, s->lse, s->logp, s->ent, s->x, T, b->temperature);
     return mc->be->synchronize(mc->be);
 }
 
-/* Drains the stream after a failure so that no pending error is left for the next call;
- * keeps the failure's message. */
-static int fail(model_cuda_t *mc, int rc) {
+int mc_fail(model_cuda_t *mc, int rc, const char *fn) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s", mo_last_error());
     mc->be->synchronize(mc->be);
-    return mo_errorf(rc, "model_cuda_logprobs: %s", msg);
+    return mo_errorf(rc, "%s: %s", fn, msg);
 }
 
-/* b->routing (T, M, K) = the experts each MoE layer used, from s->route (M, T, K). */
-static int routing_out(model_cuda_t *mc, const model_batch_t *b) {
+int mc_routing_out(model_cuda_t *mc, const int32_t *route, const model_batch_t *b, const char *fn) {
     int T = b->T, M = mc->n_moe, K = mc->K;
     size_t n = (size_t)M * T * K;
     if (n == 0)
         return MO_OK;
     int32_t *h = malloc(n * sizeof *h);
     if (!h)
-        return mo_errorf(MO_ENOMEM, "model_cuda_logprobs: %zu bytes of routing", n * sizeof *h);
-    int rc = mc->be->copy(mc->be, h, DEV_CPU, mc->s.route, DEV_CUDA, n * sizeof *h);
+        return mo_errorf(MO_ENOMEM, "%s: %zu bytes of routing", fn, n * sizeof *h);
+    int rc = mc->be->copy(mc->be, h, DEV_CPU, route, DEV_CUDA, n * sizeof *h);
     if (rc == MO_OK)
         for (int mi = 0; mi < M; mi++)
             for (int t = 0; t < T; t++)
@@ -843,35 +807,36 @@ static int routing_out(model_cuda_t *mc, const model_batch_t *b) {
                     b->routing[((size_t)t * M + mi) * K + j] =
                         (uint16_t)h[((size_t)mi * T + t) * K + j];
     free(h);
-    return rc < 0 ? fail(mc, rc) : MO_OK;
+    return rc < 0 ? mc_fail(mc, rc, fn) : MO_OK;
 }
 
 int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
                         int use_adapter) {
+    static const char fn[] = "model_cuda_logprobs";
     if (!mc)
-        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: no uploaded model");
-    TRY(check_batch(mc, b, logp));
+        return mo_errorf(MO_EINVAL, "%s: no uploaded model", fn);
+    TRY(mc_check_batch(mc, b, logp, fn));
     if (use_adapter != 0 && use_adapter != 1)
-        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: use_adapter %d must be 0 or 1",
-                         use_adapter);
+        return mo_errorf(MO_EINVAL, "%s: use_adapter %d must be 0 or 1", fn, use_adapter);
     if (use_adapter && mc->R == 0)
-        return mo_errorf(MO_EINVAL, "model_cuda_logprobs: use_adapter = 1 but the upload holds "
-                                    "no adapter (bind one with model_set_adapter before "
-                                    "model_cuda_upload)");
+        return mo_errorf(MO_EINVAL,
+                         "%s: use_adapter = 1 but the upload holds no adapter (bind "
+                         "one with model_set_adapter before model_cuda_upload)",
+                         fn);
     int T = b->T;
     if (T == 0)
         return MO_OK;
     int rc = run(mc, b, use_adapter);
     if (rc < 0)
-        return fail(mc, rc);
+        return mc_fail(mc, rc, fn);
     const backend_t *be = mc->be;
     rc = be->copy(be, logp, DEV_CPU, mc->s.logp, DEV_CUDA, sizeof(float) * (size_t)T);
     if (rc == MO_OK && entropy)
         rc = be->copy(be, entropy, DEV_CPU, mc->s.ent, DEV_CUDA, sizeof(float) * (size_t)T);
     if (rc < 0)
-        return fail(mc, rc);
+        return mc_fail(mc, rc, fn);
     if (b->routing)
-        TRY(routing_out(mc, b));
+        TRY(mc_routing_out(mc, mc->s.id.route, b, fn));
     for (int t = 0; t < T; t++)
         if (b->targets[t] < 0)
             logp[t] = 0.0f;

@@ -1,5 +1,7 @@
-/* model_cuda: the policy model's scoring forward (per-token logprob and entropy of a packed
- * batch) on the CUDA backend, from a device copy of a loaded model's weights and adapter. */
+/* model_cuda: the policy model on the CUDA backend, from a device copy of a loaded model's
+ * weights and adapter: the scoring forward (per-token logprob and entropy of a packed batch)
+ * and the training step (a forward that keeps its activations, and the backward to the
+ * adapter's gradients). */
 #ifndef MOERL_ACTOR_MODEL_CUDA_H
 #define MOERL_ACTOR_MODEL_CUDA_H
 
@@ -26,16 +28,16 @@ extern "C" {
  * Refused at upload (MO_ECONFIG, naming the feature): multi-head latent attention, sigmoid
  * or group-limited routers and e_score_correction_bias, shared experts, weights other than
  * f32/bf16 (f16, fp8 with block scales), expert parallelism (model_set_comm), adapters with
- * trainable full weights (model_adapter_add_full). The forward keeps nothing for a backward
- * and does not update model_t.stats or the aux loss. */
+ * trainable full weights (model_adapter_add_full). Neither forward updates model_t.stats
+ * or the aux loss; the training step refuses a balance loss (aux_coef > 0). */
 typedef struct model_cuda model_cuda_t;
 
 /* Copies m's frozen weights and, when an adapter is bound (model_set_adapter), its
- * parameters (the LoRA pairs) to device memory from the CUDA backend's pool, once; builds
- * the per-expert pointer tables. The copy is a snapshot: later changes to m are not seen
- * (upload again), nor changes to the adapter's parameters until model_cuda_sync_adapter.
- * m must stay loaded, and the adapter alive, while *out is used. MO_EDEVICE without a CUDA
- * device, MO_ECONFIG for an unsupported model (see above). */
+ * parameters (the LoRA pairs), with room for their gradients, to device memory from the
+ * CUDA backend's pool, once; builds the per-expert pointer tables. The copy is a snapshot: later
+ * changes to m are not seen (upload again), nor changes to the adapter's parameters until
+ * model_cuda_sync_adapter. m must stay loaded, and the adapter alive, while *out is used.
+ * MO_EDEVICE without a CUDA device, MO_ECONFIG for an unsupported model (see above). */
 int model_cuda_upload(model_cuda_t **out, const model_t *m);
 /* Gives the device memory back; safe on NULL and *mc == NULL. */
 void model_cuda_free(model_cuda_t **mc);
@@ -44,8 +46,9 @@ void model_cuda_free(model_cuda_t **mc);
 int model_cuda_has_adapter(const model_cuda_t *mc);
 
 /* Copies the uploaded adapter's current parameters (all of lora_adapter_t.params, e.g. after
- * an optimizer step) to the device again, in one copy. MO_EINVAL when the upload holds no
- * adapter, MO_ESTATE when that adapter is no longer the one bound to the model. */
+ * an optimizer step) to the device again, in one copy, and ends a pending training step
+ * (its backward would see the new parameters). MO_EINVAL when the upload holds no adapter,
+ * MO_ESTATE when that adapter is no longer the one bound to the model. */
 int model_cuda_sync_adapter(model_cuda_t *mc);
 
 /* Scores a packed batch of host arrays as model_forward does (tokens, positions,
@@ -62,6 +65,38 @@ int model_cuda_sync_adapter(model_cuda_t *mc);
  * larger batch comes), so repeated calls make no new device allocations. */
 int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
                         int use_adapter);
+
+/* The training step: model_forward(for_backward = 1) and model_backward on the device.
+ *
+ * model_cuda_forward_train scores b as model_cuda_logprobs(mc, b, logp, entropy, 1) does
+ * (the same checks, replay and routing; the same bits) and keeps, on the device, what the
+ * backward needs: each layer's input, norms, q/k/v, attention output and log-sum-exp,
+ * adapter inputs, router softmax, combine weights, expert outputs and MLP activations, the
+ * final norm and the log-sum-exp of the logits, plus the batch's ids and routing. They live
+ * in one pool block kept between calls (it grows when a larger batch comes), apart from
+ * model_cuda_logprobs's scratch: scoring calls in between (e.g. the reference policy) do
+ * not disturb a pending step. The upload must hold an adapter (MO_EINVAL otherwise) that is
+ * still the one bound to the model (MO_ESTATE); MO_ECONFIG when the model has a balance
+ * loss (model_opts_t.aux_coef > 0), which the device step does not form. A failed call
+ * leaves no step pending.
+ *
+ * model_cuda_backward is model_backward's contract: from dlogp (T, host; ignored where the
+ * target is -1) and dentropy (T, host, or NULL) of the last forward_train, it ACCUMULATES
+ * the gradients of every adapter entry into the host adapter's grads (lora_adapter_t.grads,
+ * the caller zeroes them first: lora_adapter_zero_grads), as model_backward adds into the
+ * pairs' dA and dB. Gradients flow as on the CPU: through the frozen layers, the norms,
+ * RoPE, attention, the experts, the combine weights and the router softmax into the hidden
+ * state. On the device the gradients gather in a buffer laid out as lora_adapter_t.params
+ * (zeroed at the start of each backward), copied back and added once at the end; the layer
+ * loop queues its work with no host sync. MO_ESTATE when no successful forward_train came
+ * since the upload, a failed forward_train, a backward that failed on the device,
+ * model_cuda_sync_adapter, or a change of the bound adapter; MO_EINVAL (the step stays
+ * pending) without dlogp or when the adapter has no gradient buffer (no_grads). The step
+ * stays valid after a backward: a second backward adds the same gradients again. Repeated
+ * steps on batches of one size make no new device allocations after the first, and the
+ * same inputs give the same bits. */
+int model_cuda_forward_train(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy);
+int model_cuda_backward(model_cuda_t *mc, const float *dlogp, const float *dentropy);
 
 #ifdef __cplusplus
 }

@@ -1,4 +1,4 @@
-/* model_glue: the residual sum and the router's combine weights on CUDA. */
+/* model_glue: the residual sum, the router's combine weights and their backward on CUDA. */
 #include "core/cuda/cuda_common.h"
 #include "core/cuda/model_glue.h"
 
@@ -42,6 +42,43 @@ static __global__ void take_kernel(float *val, const float *probs, const int32_t
     }
 }
 
+/* One thread per token: router_backward's sel_grad_row and softmax branch for the softmax
+ * top-k kind (eps 0), the same operations in the same order; dlogits starts from zero as
+ * the CPU's does. */
+static __global__ void router_backward_kernel(float *dlogits, const float *dweight,
+                                              const int32_t *idx, const float *probs, int T, int E,
+                                              int K, int norm, float scale) {
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
+        const float *s = probs + (size_t)t * E;    /* (E) */
+        const int32_t *ix = idx + (size_t)t * K;   /* (K) */
+        const float *dw = dweight + (size_t)t * K; /* (K) */
+        float *dl = dlogits + (size_t)t * E;       /* (E) */
+        double a = scale, b = 0.0;
+        if (norm) {
+            float sumf = 0.0f;
+            double dot = 0.0;
+            for (int i = 0; i < K; i++)
+                if (ix[i] >= 0 && ix[i] < E)
+                    sumf = __fadd_rn(sumf, s[ix[i]]);
+            double den = (double)__fadd_rn(sumf, 0.0f);
+            for (int i = 0; i < K; i++)
+                if (ix[i] >= 0 && ix[i] < E)
+                    dot += (double)dw[i] * s[ix[i]];
+            a = (double)scale / den;
+            b = a * dot / den;
+        }
+        double dot = 0.0;
+        for (int i = 0; i < K; i++)
+            if (ix[i] >= 0 && ix[i] < E)
+                dot += (a * dw[i] - b) * s[ix[i]];
+        for (int e = 0; e < E; e++)
+            dl[e] = (float)(-(double)s[e] * dot);
+        for (int i = 0; i < K; i++)
+            if (ix[i] >= 0 && ix[i] < E)
+                dl[ix[i]] = __fadd_rn(dl[ix[i]], (float)((a * dw[i] - b) * s[ix[i]]));
+    }
+}
+
 extern "C" int model_glue_add(float *out, const float *a, const float *b, size_t n) {
     TRY(cuda_enter());
     if (!out || !a || !b)
@@ -75,4 +112,18 @@ extern "C" int model_glue_take(float *val, const float *probs, const int32_t *id
     take_kernel<<<cuda_grid(n, GLUE_THREADS), GLUE_THREADS, 0, cuda_stream()>>>(val, probs, idx, T,
                                                                                 E, K);
     return LAUNCH_OK("take_kernel") ? MO_OK : MO_EDEVICE;
+}
+
+extern "C" int model_glue_router_backward(float *dlogits, const float *dweight, const int32_t *idx,
+                                          const float *probs, int T, int E, int K, int norm,
+                                          float scale) {
+    TRY(cuda_enter());
+    if (!dlogits || !dweight || !idx || !probs || T < 0 || E < 1 || K < 1 || K > E)
+        return mo_errorf(MO_EINVAL, "model_glue_router_backward: bad arguments T=%d E=%d K=%d", T,
+                         E, K);
+    if (T == 0)
+        return MO_OK;
+    router_backward_kernel<<<cuda_grid((size_t)T, GLUE_THREADS), GLUE_THREADS, 0, cuda_stream()>>>(
+        dlogits, dweight, idx, probs, T, E, K, norm, scale);
+    return LAUNCH_OK("router_backward_kernel") ? MO_OK : MO_EDEVICE;
 }

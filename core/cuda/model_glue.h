@@ -1,6 +1,6 @@
-/* model_glue: small device kernels the whole-model CUDA forward needs beside the kernel
- * table: the residual sum and the softmax top-k router's combine weights (natural or replayed
- * routing). */
+/* model_glue: small device kernels the whole-model CUDA forward and backward need beside the
+ * kernel table: the residual sum, the softmax top-k router's combine weights (natural or
+ * replayed routing) and their gradient at the router logits. */
 #ifndef MOERL_CORE_CUDA_MODEL_GLUE_H
 #define MOERL_CORE_CUDA_MODEL_GLUE_H
 
@@ -27,6 +27,15 @@ int model_glue_topk_weights(float *w, const float *val, int T, int K, int norm, 
  * for model_glue_topk_weights. idx must lie in [0, E) (checked by the caller); an index
  * outside gives NaN (nothing is read out of bounds). */
 int model_glue_take(float *val, const float *probs, const int32_t *idx, int T, int E, int K);
+
+/* dlogits (T, E) = the gradient at the softmax top-k router's logits from dweight (T, K),
+ * the gradient at the combine weights of the experts idx (T, K), with probs (T, E) the
+ * router's softmax: router_backward of moe/router.c for the softmax top-k kind (through
+ * the weights' normalisation when norm, their scale and the softmax; in double where it
+ * sums), for the training step. Overwrites dlogits. idx must lie in [0, E); an index
+ * outside is skipped. */
+int model_glue_router_backward(float *dlogits, const float *dweight, const int32_t *idx,
+                               const float *probs, int T, int E, int K, int norm, float scale);
 
 #ifdef __cplusplus
 }

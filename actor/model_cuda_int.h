@@ -1,0 +1,166 @@
+/* model_cuda_int: what the two halves of the CUDA model share: the device layout of the
+ * weights, the per-call buffers, and the layer forward both the scoring forward
+ * (model_cuda.c) and the training step (model_cuda_train.c) run. Private to actor/. */
+#ifndef MOERL_ACTOR_MODEL_CUDA_INT_H
+#define MOERL_ACTOR_MODEL_CUDA_INT_H
+
+#include "actor/model_cuda.h"
+
+#ifdef MOERL_HAVE_CUDA
+
+#include "core/backend.h"
+#include "core/cuda/moe_cuda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Byte alignment of every buffer carved from a pool block. */
+#define MC_ALIGN 256
+
+/* One decoder layer's weights on the device. Adapter tables have A == NULL where the
+ * projection has no adapter; their dA and dB tables point into model_cuda.dgrads. */
+typedef struct mc_layer {
+    int moe;                           /* 1: routed experts, 0: dense MLP */
+    int moe_index;                     /* index among the MoE layers, -1 when dense */
+    int window;                        /* attention window, 0: full causal */
+    const float *attn_norm, *mlp_norm; /* (D) */
+    const float *q_norm, *k_norm;      /* (Dh), or NULL */
+    wview_t wq, wk, wv;                /* (H Dh, D), (Hkv Dh, D), (Hkv Dh, D) */
+    wview_t wo;                        /* (D, H Dh) */
+    moe_cuda_lora_t lq, lk, lv, lo;    /* one-entry tables */
+    wview_t router;                    /* (E, D) f32 */
+    int norm_topk;                     /* router_cfg_t.norm_topk_prob */
+    float route_scale;                 /* router_cfg_t.routed_scaling_factor */
+    moe_cuda_experts_t ex;             /* E routed experts, or the dense MLP as one */
+    int n_ex;                          /* E, or 1 for a dense layer */
+    int F;                             /* hidden width of one expert (or the dense MLP) */
+} mc_layer_t;
+
+/* A batch's ids on the device, carved in this order at the start of a block so that
+ * mc_upload_batch fills them with one copy (mc_ids_layout). */
+typedef struct mc_ids {
+    int32_t *tok, *pos, *tgt; /* (T) targets -1 stored as 0 */
+    int32_t *cu;              /* (B + 1) */
+    int32_t *off1;            /* (2) {0, T}: the offsets of a one-expert group */
+    int32_t *route;           /* (M, T, K) experts of each MoE layer's tokens */
+} mc_ids_t;
+
+/* Where one layer's forward reads its input and writes what it forms. The scoring forward
+ * points every layer at the same scratch (several fields share a buffer there); the
+ * training forward gives each layer its own buffers, kept for the backward. Shapes: S = T K
+ * slots; rows = S for a MoE layer, T for a dense one; F the layer's hidden width. */
+typedef struct mc_acts {
+    const float *x;                   /* (T, D) layer input */
+    float *out;                       /* (T, D) layer output (may be x) */
+    float *ln1, *rstd1;               /* (T, D) rmsnorm(x), (T) */
+    float *q, *k;                     /* (T, H Dh), (T, Hkv Dh) before the per-head norm
+                                       * (used only with q_norm / k_norm) */
+    float *rstd_q, *rstd_k;           /* (T H), (T Hkv) per-head norm scales */
+    float *qr, *kr, *v;               /* (T, H Dh), (T, Hkv Dh), (T, Hkv Dh) */
+    float *att, *lse;                 /* (T, H Dh) attention output, (T, H) */
+    float *xa_q, *xa_k, *xa_v, *xa_o; /* (T, R) adapter inputs x A^T */
+    float *h1;                        /* (T, D) x + attention */
+    float *ln2, *rstd2;               /* (T, D) rmsnorm(h1), (T) */
+    float *probs;                     /* (T, E) router softmax (MoE) */
+    float *wt;                        /* (T, K) combine weights (MoE) */
+    float *yg;                        /* (S, D) expert outputs grouped by expert (MoE) */
+    float *g, *u, *h;                 /* (rows, F) expert MLP activations */
+    float *xa_g, *xa_u, *xa_d;        /* (rows, R) expert adapter inputs */
+} mc_acts_t;
+
+/* The per-call device buffers of the scoring forward, carved from mc->smem; the training
+ * step uses the ones it does not keep (o, rlogits, val, xg, logits, logp, ent). */
+typedef struct mc_scratch {
+    mc_ids_t id;
+    float *x;                  /* (T, D) residual stream */
+    float *h1;                 /* (T, D) x + attention */
+    float *ln;                 /* (T, D) rmsnorm output */
+    float *o;                  /* (T, D) attention output projection, then the ffn output */
+    float *q, *qr, *att;       /* (T, H Dh) */
+    float *k, *kr, *v;         /* (T, Hkv Dh) */
+    float *lse_att;            /* (T, H) */
+    float *rstd;               /* (T H) */
+    float *xa;                 /* (T, R) adapter inputs of the attention projections */
+    float *rlogits, *probs;    /* (T, E) */
+    float *val, *wt;           /* (T, K) */
+    float *xg, *yg;            /* (rows_ex, D) rows grouped by expert */
+    float *g, *u, *h;          /* (rows_ex, F) */
+    float *xa_g, *xa_u, *xa_d; /* (rows_ex, R) */
+    float *hf;                 /* (T, D) final norm */
+    float *lse, *logp, *ent;   /* (T) */
+    float *logits;             /* (rows, V) one chunk of logits */
+} mc_scratch_t;
+
+typedef struct mc_train mc_train_t; /* the training step's state (model_cuda_train.c) */
+
+struct model_cuda {
+    const model_t *m;
+    const backend_t *be;
+    int L, D, H, Hkv, Dh, E, K, V;
+    int R;                    /* adapter rank, 0 without an adapter */
+    const lora_adapter_t *ad; /* the adapter uploaded, or NULL */
+    float *dparams;           /* (ad->n_params) its parameters on the device */
+    float *dgrads;            /* (ad->n_params) their gradients on the device, same layout */
+    int Fmax;                 /* the widest expert or dense MLP */
+    int n_moe;                /* MoE layers */
+    int dense;                /* 1 when some layer is dense */
+    wview_t embed, lm_head;   /* (V, D) */
+    const float *final_norm;  /* (D) */
+    const float *inv_freq;    /* (Dh / 2) */
+    mc_layer_t *layers;       /* (L) */
+    void *wmem;               /* the pool block of weights and tables */
+    void *smem;               /* the pool block of scratch */
+    size_t scap;              /* its bytes */
+    moe_cuda_plan_t plan;     /* for plan_T tokens */
+    int plan_T;
+    int replay; /* 1: this call's batch replays its routing */
+    mc_scratch_t s;
+    /* This call's ids and dispatch plan: the scratch's for scoring, the training step's
+     * own while it runs. */
+    const mc_ids_t *id;
+    moe_cuda_plan_t *cur_plan;
+    mc_train_t *tr; /* NULL until the first model_cuda_forward_train */
+};
+
+/* Grow-only carving of a pool block: base NULL only measures. */
+typedef struct mc_bump {
+    char *base;
+    size_t off;
+} mc_bump_t;
+
+void *mc_bump(mc_bump_t *b, size_t bytes);
+#define MC_BUMP(ptr, b, n) ((ptr) = mc_bump((b), sizeof(*(ptr)) * (size_t)(n)))
+
+/* Carves the ids of T tokens, B sequences and M MoE layers at the start of b. */
+void mc_ids_layout(const model_cuda_t *mc, mc_bump_t *b, mc_ids_t *id, int T, int B);
+/* Rows of logits formed at a time for T tokens. */
+int mc_logits_rows(const model_cuda_t *mc, int T);
+/* The scoring scratch and mc->plan ready for T tokens of B sequences. */
+int mc_scratch_ready(model_cuda_t *mc, int T, int B);
+/* model_forward's checks of b (and of its replay), messages prefixed by fn. */
+int mc_check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *logp,
+                   const char *fn);
+/* Copies b's ids (and replayed experts) into id with one host-to-device copy. */
+int mc_upload_batch(model_cuda_t *mc, const mc_ids_t *id, const model_batch_t *b, const char *fn);
+/* a->out = layer l on a->x, with the adapter when ad; reads mc->id, mc->cur_plan and
+ * mc->replay, uses mc->s.o, s.rlogits, s.val and s.xg as temporaries. */
+int mc_layer_forward(model_cuda_t *mc, int l, const mc_acts_t *a, int T, int B, int ad);
+/* hf (T, D), rstd (T) = the final norm of x; lse, logp, ent (T) from the chunked lm_head
+ * (mc->s.logits) at temperature. */
+void mc_head_forward(const model_cuda_t *mc, float *hf, float *rstd, float *lse, float *logp,
+                     float *ent, const float *x, int T, float temperature);
+/* b->routing (T, M, K) from route (M, T, K) on the device. */
+int mc_routing_out(model_cuda_t *mc, const int32_t *route, const model_batch_t *b, const char *fn);
+/* Drains the stream after a failure, keeping its message under fn. */
+int mc_fail(model_cuda_t *mc, int rc, const char *fn);
+/* Frees the training step's state (model_cuda_train.c); safe when there is none. */
+void mc_train_free(model_cuda_t *mc);
+/* Ends a pending training step (its backward is then MO_ESTATE). */
+void mc_train_invalidate(model_cuda_t *mc);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOERL_HAVE_CUDA */
+#endif
