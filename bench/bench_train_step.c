@@ -6,18 +6,7 @@
  * usage: bench_train_step --model DIR [--threads N] [--tokens T] [--seqs B] [--rank R]
  *                         [--steps S] [--warmup W] [--sgemm N] [--out DIR]
  *
- * FLOPs of one step (multiply-add = 2), counted on the model, not on what the code does:
- *   forward  = 2 T P_mm                      P_mm: matrix parameters one token uses
- *                                            (q, k, v, o, router, K experts or the dense
- *                                            MLP, lm_head; not the embedding lookup)
- *            + 4 H Dh sum_t ctx_t per layer   attention scores and values, ctx_t the keys
- *                                            token t sees (causal, window-limited)
- *            + 2 R (C + OC) n_m per adapted   LoRA A then B; n_m = T for attention
- *              module m                       modules, T K / E for each routed expert
- *   backward = 2 T P_mm                      input gradients through the frozen matrices
- *            + 2 x the attention term        dQ, dK, dV, dP
- *            + 2 x the LoRA term             dA, dB and the input gradient
- * Recomputation (the logits in the backward) is not counted. */
+ * FLOPs of one step are counted as bench/step_flops.h says. */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -27,6 +16,7 @@
 #include <time.h>
 
 #include "actor/model.h"
+#include "bench/step_flops.h"
 #include "core/backend.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
@@ -109,36 +99,6 @@ static void sgemm_gflops(int N, double *wall, double *cpu) {
         *cpu = flops / best_c * 1e-9;
     }
     free(A), free(B), free(C);
-}
-
-/* The FLOPs of one step (see the top of the file): forward and backward. */
-static void step_flops(const model_t *m, const lora_adapter_t *ad, const int32_t *pos, int T,
-                       double *fwd, double *bwd) {
-    double qd = (double)m->H * m->Dh, kvd = (double)m->Hkv * m->Dh, D = m->D;
-    double p_mm = (double)m->V * D, attn = 0.0;
-    for (int l = 0; l < m->L; l++) {
-        const model_layer_t *ly = &m->layers[l];
-        p_mm += D * qd * 2 + D * kvd * 2;
-        if (ly->moe)
-            p_mm += D * m->E + (double)m->K * 3 * D * ly->moe_cfg.F +
-                    3 * D * (double)ly->moe_cfg.n_shared * ly->moe_cfg.F;
-        else
-            p_mm += 3 * D * m->cfg.intermediate_size;
-        double ctx = 0.0;
-        for (int t = 0; t < T; t++) {
-            double c = pos[t] + 1.0;
-            ctx += ly->window > 0 && c > ly->window ? ly->window : c;
-        }
-        attn += 4.0 * qd * ctx;
-    }
-    double lora = 0.0;
-    for (int e = 0; ad && e < ad->n_entries; e++) {
-        const lora_entry_t *en = &ad->entries[e];
-        double rows = en->kind == LORA_KIND_EXPERT ? (double)T * m->K / m->E : T;
-        lora += 2.0 * en->R * (en->C + en->OC) * rows;
-    }
-    *fwd = 2.0 * T * p_mm + attn + lora;
-    *bwd = 2.0 * T * p_mm + 2.0 * attn + 2.0 * lora;
 }
 
 /* The batch as the peer reads it (the golden inputs' layout). */
