@@ -511,26 +511,32 @@ static size_t scratch_layout(const model_cuda_t *mc, mc_scratch_t *s, char *base
     return b.off;
 }
 
-int mc_scratch_ready(model_cuda_t *mc, int T, int B) {
-    size_t need = scratch_layout(mc, &mc->s, NULL, T, B);
-    if (need > mc->scap) {
-        if (mc->smem)
-            mc->be->free(mc->be, mc->smem);
-        mc->smem = NULL;
-        mc->scap = 0;
-        void *p = NULL;
-        TRY(mc->be->alloc(mc->be, &p, need));
-        mc->smem = p;
-        mc->scap = need;
-    }
-    scratch_layout(mc, &mc->s, mc->smem, T, B);
-    if (mc->n_moe > 0 && mc->plan_T != T) {
-        moe_cuda_plan_free(&mc->plan);
-        mc->plan_T = -1;
-        TRY(moe_cuda_plan_alloc(&mc->plan, T, mc->K, mc->E));
-        mc->plan_T = T;
-    }
+int mc_block_ready(model_cuda_t *mc, void **mem, size_t *cap, size_t need) {
+    if (need <= *cap)
+        return MO_OK;
+    if (*mem)
+        mc->be->free(mc->be, *mem);
+    *mem = NULL;
+    *cap = 0;
+    TRY(mc->be->alloc(mc->be, mem, need));
+    *cap = need;
     return MO_OK;
+}
+
+int mc_plan_ready(const model_cuda_t *mc, moe_cuda_plan_t *plan, int *plan_T, int T) {
+    if (mc->n_moe == 0 || *plan_T == T)
+        return MO_OK;
+    moe_cuda_plan_free(plan);
+    *plan_T = -1;
+    TRY(moe_cuda_plan_alloc(plan, T, mc->K, mc->E));
+    *plan_T = T;
+    return MO_OK;
+}
+
+int mc_scratch_ready(model_cuda_t *mc, int T, int B) {
+    TRY(mc_block_ready(mc, &mc->smem, &mc->scap, scratch_layout(mc, &mc->s, NULL, T, B)));
+    scratch_layout(mc, &mc->s, mc->smem, T, B);
+    return mc_plan_ready(mc, &mc->plan, &mc->plan_T, T);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -674,7 +680,7 @@ static moe_cuda_experts_t experts_of(const mc_layer_t *ly, int ad) {
     return w;
 }
 
-static moe_cuda_acts_t acts_of(const mc_acts_t *a, const moe_cuda_experts_t *w) {
+moe_cuda_acts_t mc_expert_acts(const mc_acts_t *a, const moe_cuda_experts_t *w) {
     moe_cuda_acts_t e = {a->g,
                          a->u,
                          a->h,
@@ -701,7 +707,7 @@ static int moe(model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T
     TRY(moe_cuda_plan_build(mc->cur_plan, idx));
     TRY(moe_cuda_dispatch_forward(s->xg, a->ln2, mc->cur_plan, D));
     moe_cuda_experts_t w = experts_of(ly, ad);
-    moe_cuda_acts_t e = acts_of(a, &w);
+    moe_cuda_acts_t e = mc_expert_acts(a, &w);
     TRY(moe_cuda_experts_forward(a->yg, &e, s->xg, mc->cur_plan->offsets, E, S, &w, D, ly->F));
     return moe_cuda_combine_forward(s->o, a->yg, a->wt, mc->cur_plan, D);
 }
@@ -709,7 +715,7 @@ static int moe(model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T
 /* mc->s.o (T, D) = the dense SwiGLU MLP on a->ln2, as one expert owning every row. */
 static int dense(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T, int ad) {
     moe_cuda_experts_t w = experts_of(ly, ad);
-    moe_cuda_acts_t e = acts_of(a, &w);
+    moe_cuda_acts_t e = mc_expert_acts(a, &w);
     return moe_cuda_experts_forward(mc->s.o, &e, a->ln2, mc->id->off1, 1, T, &w, mc->D, ly->F);
 }
 

@@ -138,6 +138,14 @@ void mc_ids_layout(const model_cuda_t *mc, mc_bump_t *b, mc_ids_t *id, int T, in
 int mc_logits_rows(const model_cuda_t *mc, int T);
 /* The scoring scratch and mc->plan ready for T tokens of B sequences. */
 int mc_scratch_ready(model_cuda_t *mc, int T, int B);
+/* *mem (a pool block of *cap bytes) holds at least need bytes: a larger block replaces it
+ * (its contents are not kept). */
+int mc_block_ready(model_cuda_t *mc, void **mem, size_t *cap, size_t need);
+/* *plan sized for T tokens (*plan_T) when the model has MoE layers. */
+int mc_plan_ready(const model_cuda_t *mc, moe_cuda_plan_t *plan, int *plan_T, int T);
+/* The expert blocks' activation pointers of layer activations a (the LoRA inputs only for
+ * the adapted projections of w). */
+moe_cuda_acts_t mc_expert_acts(const mc_acts_t *a, const moe_cuda_experts_t *w);
 /* model_forward's checks of b (and of its replay), messages prefixed by fn. */
 int mc_check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *logp,
                    const char *fn);

@@ -197,24 +197,9 @@ static int train_ready(model_cuda_t *mc, int T, int B) {
         mc->tr = tr;
     }
     mc_train_t *tr = mc->tr;
-    size_t need = train_layout(mc, tr, NULL, T, B);
-    if (need > tr->cap) {
-        if (tr->mem)
-            mc->be->free(mc->be, tr->mem);
-        tr->mem = NULL;
-        tr->cap = 0;
-        void *p = NULL;
-        TRY(mc->be->alloc(mc->be, &p, need));
-        tr->mem = p;
-        tr->cap = need;
-    }
+    TRY(mc_block_ready(mc, &tr->mem, &tr->cap, train_layout(mc, tr, NULL, T, B)));
     train_layout(mc, tr, tr->mem, T, B);
-    if (mc->n_moe > 0 && tr->plan_T != T) {
-        moe_cuda_plan_free(&tr->plan);
-        tr->plan_T = -1;
-        TRY(moe_cuda_plan_alloc(&tr->plan, T, mc->K, mc->E));
-        tr->plan_T = T;
-    }
+    TRY(mc_plan_ready(mc, &tr->plan, &tr->plan_T, T));
     if (T > tr->hcap) {
         free(tr->has_tgt);
         free(tr->hbuf);
@@ -365,16 +350,6 @@ static int attention_backward(const model_cuda_t *mc, float *dx, const float *dh
     return MO_OK;
 }
 
-static moe_cuda_acts_t expert_acts(const mc_acts_t *a, const moe_cuda_experts_t *w) {
-    moe_cuda_acts_t e = {a->g,
-                         a->u,
-                         a->h,
-                         w->lora_gate.A ? a->xa_g : NULL,
-                         w->lora_up.A ? a->xa_u : NULL,
-                         w->lora_down.A ? a->xa_d : NULL};
-    return e;
-}
-
 /* dln (T, D) += from dy (T, D) at the MoE layer's output: combine, experts, dispatch, then
  * the router (frozen: only its input gradient). moe_backward's order. */
 static int moe_layer_backward(const model_cuda_t *mc, float *dln, const float *dy,
@@ -391,7 +366,7 @@ static int moe_layer_backward(const model_cuda_t *mc, float *dln, const float *d
     TRY(zero(mc, tr->dweight, (size_t)S));
     TRY(zero(mc, tr->dxg, (size_t)S * D));
     TRY(moe_cuda_combine_backward(tr->dyg, tr->dweight, dy, a->yg, a->wt, p, D));
-    moe_cuda_acts_t e = expert_acts(a, &ly->ex);
+    moe_cuda_acts_t e = mc_expert_acts(a, &ly->ex);
     TRY(moe_cuda_experts_backward(tr->dxg, tr->dyg, tr->xg, &e, p->offsets, E, S, &ly->ex, D, ly->F,
                                   tr->escr));
     TRY(moe_cuda_dispatch_backward(dln, tr->dxg, p, D));
@@ -414,7 +389,7 @@ static int layer_backward(const model_cuda_t *mc, float *dx, const float *dy, in
     if (ly->moe) {
         TRY(moe_layer_backward(mc, tr->dln, dy, a, ly));
     } else {
-        moe_cuda_acts_t e = expert_acts(a, &ly->ex);
+        moe_cuda_acts_t e = mc_expert_acts(a, &ly->ex);
         TRY(moe_cuda_experts_backward(tr->dln, dy, a->ln2, &e, tr->id.off1, 1, T, &ly->ex, D, ly->F,
                                       tr->escr));
     }
