@@ -50,33 +50,6 @@ typedef struct batch {
     float temperature;
 } batch_t;
 
-/* Random norm weights in [0.6, 1.4): ones would hide a wrong norm vector. The norm vectors
- * are the model's own f32 copies. */
-static void randomise_norms(model_t *m, uint64_t seed) {
-    for (int l = 0; l < m->L; l++) {
-        model_layer_t *ly = &m->layers[l];
-        rng_fill_uniform((float *)ly->attn_norm, (size_t)m->D, seed, 10 + 4 * (uint64_t)l, 0.6f,
-                         1.4f);
-        rng_fill_uniform((float *)ly->mlp_norm, (size_t)m->D, seed, 11 + 4 * (uint64_t)l, 0.6f,
-                         1.4f);
-        if (!ly->q_norm || !ly->k_norm)
-            continue;
-        rng_fill_uniform((float *)ly->q_norm, (size_t)m->Dh, seed, 12 + 4 * (uint64_t)l, 0.6f,
-                         1.4f);
-        rng_fill_uniform((float *)ly->k_norm, (size_t)m->Dh, seed, 13 + 4 * (uint64_t)l, 0.6f,
-                         1.4f);
-    }
-    rng_fill_uniform((float *)m->final_norm, (size_t)m->D, seed, 9, 0.6f, 1.4f);
-}
-
-static void randomise_adapter(lora_adapter_t *ad, uint64_t seed) {
-    for (int i = 0; i < ad->n_tensors; i++) {
-        const lora_tensor_t *t = &ad->tensors[i];
-        float amp = (i % 2) ? 0.3f : 0.2f;
-        rng_fill_uniform(ad->params + t->offset, t->numel, seed, 100 + (uint64_t)i, -amp, amp);
-    }
-}
-
 /* A tiny model in dtype dt: Qwen3-MoE with 3 layers, the middle one dense, or Mixtral (2
  * MoE layers) with a sliding window of 4; logits in chunks of 5 rows; an "all-linear" rank-4
  * adapter with random A and B, bound. */
@@ -104,11 +77,11 @@ static void fx_open_arch(fx_t *f, model_arch_t arch, dtype_t dt, uint64_t seed) 
     CU_ASSERT_EQUAL_FATAL(f->m->layers[0].moe, 1);
     CU_ASSERT_EQUAL_FATAL(f->m->layers[1].moe, arch == ARCH_QWEN3_MOE ? 0 : 1);
     CU_ASSERT_EQUAL_FATAL(f->m->layers[0].window, arch == ARCH_QWEN3_MOE ? 0 : 4);
-    randomise_norms(f->m, seed + 1);
+    tu_randomise_norms(f->m, seed + 1);
     const char *targets[1] = {"all-linear"};
     lora_config_t lc = {4, 8.0f, 0, 0.0f, 11, 0, targets, 1};
     TU_CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
-    randomise_adapter(f->ad, seed + 2);
+    tu_randomise_adapter(f->ad, seed + 2);
     TU_CHECK_RC(model_set_adapter(f->m, f->ad));
 }
 
@@ -237,7 +210,7 @@ static void check_model(model_arch_t arch, dtype_t dt, double tol) {
     CU_ASSERT_EQUAL(memcmp(l1, l2, sizeof(float) * (size_t)b1.T), 0);
     /* New adapter parameters (an optimizer step): the upload keeps the old ones until
      * model_cuda_sync_adapter, then matches the CPU with the new ones. */
-    randomise_adapter(f.ad, 77);
+    tu_randomise_adapter(f.ad, 77);
     gpu_forward(mc, &b1, l2, e2, 1);
     CU_ASSERT_EQUAL(memcmp(l1, l2, sizeof(float) * (size_t)b1.T), 0);
     TU_CHECK_RC(model_cuda_sync_adapter(mc));

@@ -62,14 +62,6 @@ static void mx_config(model_config_t *c, mx_kind_t kind) {
     CU_ASSERT_EQUAL_FATAL(model_config_validate(c, "test"), 0);
 }
 
-static void randomise_adapter(lora_adapter_t *ad, uint64_t seed) {
-    for (int i = 0; i < ad->n_tensors; i++) {
-        const lora_tensor_t *t = &ad->tensors[i];
-        float amp = (i % 2) ? 0.3f : 0.2f;
-        rng_fill_uniform(ad->params + t->offset, t->numel, seed, 100 + (uint64_t)i, -amp, amp);
-    }
-}
-
 static lora_adapter_t *make_adapter(const model_t *m, const char *const *targets, int n, int rank) {
     lora_config_t lc = {rank, 2.0f * rank, 0, 0.0f, 11, 0, targets, n};
     lora_adapter_t *ad = NULL;
@@ -113,7 +105,7 @@ static void mx_open(mx_t *f, mx_kind_t kind, const model_opts_t *o) {
     CU_ASSERT_EQUAL_FATAL(rc, 0);
     const char *all[1] = {"all-linear"};
     f->ad = make_adapter(f->m, all, 1, 4);
-    randomise_adapter(f->ad, 5);
+    tu_randomise_adapter(f->ad, 5);
     CU_ASSERT_EQUAL_FATAL(model_set_adapter(f->m, f->ad), 0);
     static const int lens[2] = {9, 6};
     mx_batch(f, lens, 2, 3, kind == MX_YARN ? 37 : 0);

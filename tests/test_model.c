@@ -46,14 +46,6 @@ static void fx_config(model_config_t *c, fx_kind_t kind) {
 }
 
 /* Random B (and A) so every adapted path contributes. */
-static void randomise_adapter(lora_adapter_t *ad, uint64_t seed) {
-    for (int i = 0; i < ad->n_tensors; i++) {
-        const lora_tensor_t *t = &ad->tensors[i];
-        float amp = (i % 2) ? 0.3f : 0.2f;
-        rng_fill_uniform(ad->params + t->offset, t->numel, seed, 100 + (uint64_t)i, -amp, amp);
-    }
-}
-
 static lora_adapter_t *make_adapter(const model_t *m, const char *target, int rank) {
     const char *targets[1] = {target};
     lora_config_t lc = {rank, 2.0f * rank, 0, 0.0f, 11, 0, targets, 1};
@@ -97,7 +89,7 @@ static void fx_open(fx_t *f, fx_kind_t kind, const model_opts_t *o, float std) {
         tu_report("fixture: %s", mo_last_error());
     CU_ASSERT_EQUAL_FATAL(rc, 0);
     f->ad = make_adapter(f->m, "all-linear", 4);
-    randomise_adapter(f->ad, 5);
+    tu_randomise_adapter(f->ad, 5);
     CU_ASSERT_EQUAL_FATAL(model_set_adapter(f->m, f->ad), 0);
     static const int lens[2] = {9, 6};
     fx_batch(f, lens, 2, 3);

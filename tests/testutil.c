@@ -9,7 +9,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "actor/model.h"
 #include "core/rng.h"
+#include "lora/adapter.h"
 
 int tu_main(const char *suite, CU_TestInfo *tests) {
     if (CU_initialize_registry() != CUE_SUCCESS)
@@ -102,3 +104,28 @@ static const char *env_or(const char *name, const char *fallback) {
 const char *tu_source_dir(void) { return env_or("MOERL_SOURCE_DIR", "."); }
 const char *tu_moerl_exe(void) { return env_or("MOERL_EXE", "./moerl"); }
 const char *tu_python(void) { return env_or("MOERL_PYTHON", "/usr/bin/python3"); }
+
+void tu_randomise_adapter(lora_adapter_t *ad, uint64_t seed) {
+    for (int i = 0; i < ad->n_tensors; i++) {
+        const lora_tensor_t *t = &ad->tensors[i];
+        float amp = (i % 2) ? 0.3f : 0.2f;
+        rng_fill_uniform(ad->params + t->offset, t->numel, seed, 100 + (uint64_t)i, -amp, amp);
+    }
+}
+
+void tu_randomise_norms(model_t *m, uint64_t seed) {
+    for (int l = 0; l < m->L; l++) {
+        model_layer_t *ly = &m->layers[l];
+        rng_fill_uniform((float *)ly->attn_norm, (size_t)m->D, seed, 10 + 4 * (uint64_t)l, 0.6f,
+                         1.4f);
+        rng_fill_uniform((float *)ly->mlp_norm, (size_t)m->D, seed, 11 + 4 * (uint64_t)l, 0.6f,
+                         1.4f);
+        if (!ly->q_norm || !ly->k_norm)
+            continue;
+        rng_fill_uniform((float *)ly->q_norm, (size_t)m->Dh, seed, 12 + 4 * (uint64_t)l, 0.6f,
+                         1.4f);
+        rng_fill_uniform((float *)ly->k_norm, (size_t)m->Dh, seed, 13 + 4 * (uint64_t)l, 0.6f,
+                         1.4f);
+    }
+    rng_fill_uniform((float *)m->final_norm, (size_t)m->D, seed, 9, 0.6f, 1.4f);
+}

@@ -8,6 +8,9 @@
 
 #include <CUnit/CUnit.h>
 
+struct model;
+struct lora_adapter;
+
 /* Runs one suite in CUnit's basic mode; returns the process exit status
  * (0 when every test passed). */
 int tu_main(const char *suite, CU_TestInfo *tests);
@@ -52,5 +55,12 @@ void tu_rmtree(const char *path);
 const char *tu_source_dir(void);
 const char *tu_moerl_exe(void);
 const char *tu_python(void);
+
+/* Every tensor of ad uniform in [-0.2, 0.2) (A) and [-0.3, 0.3) (B), so that every path of
+ * the adapter computes (B is zero after lora_adapter_new). */
+void tu_randomise_adapter(struct lora_adapter *ad, uint64_t seed);
+/* The model's norm weights (its own f32 copies) uniform in [0.6, 1.4): ones would hide a
+ * wrong norm vector. */
+void tu_randomise_norms(struct model *m, uint64_t seed);
 
 #endif
