@@ -32,6 +32,7 @@
 #include "core/cuda/backend_cuda.h"
 #include "core/rng.h"
 #include "core/status.h"
+#include "tests/model_gpu_fixture.h"
 #include "tests/testutil.h"
 
 /* f32 weights: f32 products (no TF32), other summation orders. */
@@ -50,19 +51,6 @@
  * which keeps the compounded roundings smaller. */
 #define INIT_STD_F32 0.25f
 #define INIT_STD_BF16 0.1f
-#define MAXT 96
-
-typedef struct fx {
-    char dir[512];
-    model_t *m;
-    lora_adapter_t *ad;
-} fx_t;
-
-typedef struct batch {
-    int T, B;
-    int32_t tok[MAXT], pos[MAXT], tgt[MAXT], cu[16];
-    float temperature;
-} batch_t;
 
 /* A tiny model in dtype dt: Qwen3-MoE with 3 layers, the middle one dense, or Mixtral (2
  * MoE layers) with a sliding window of 4; logits in chunks of 5 rows; an "all-linear" rank-4
@@ -97,35 +85,6 @@ static void fx_open_arch(fx_t *f, model_arch_t arch, dtype_t dt, uint64_t seed, 
     TU_CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
     tu_randomise_adapter(f->ad, seed + 2);
     TU_CHECK_RC(model_set_adapter(f->m, f->ad));
-}
-
-static void fx_close(fx_t *f) {
-    model_destroy(&f->m);
-    lora_adapter_destroy(&f->ad);
-    tu_rmtree(f->dir);
-}
-
-/* Sequences of the given lengths with random tokens, next-token targets, a target -1
- * inside the first sequence. */
-static void make_batch(batch_t *b, const model_t *m, const int *lens, int B, uint64_t seed,
-                       float temperature) {
-    b->B = B;
-    b->cu[0] = 0;
-    for (int i = 0; i < B; i++)
-        b->cu[i + 1] = b->cu[i] + lens[i];
-    b->T = b->cu[B];
-    CU_ASSERT_FATAL(b->T <= MAXT);
-    for (int t = 0; t < b->T; t++)
-        b->tok[t] = (int32_t)(rng_uniform(seed, 1, (uint64_t)t) * (float)m->V) % m->V;
-    model_batch_next_token(b->pos, b->tgt, b->tok, b->cu, B);
-    if (b->T > 3)
-        b->tgt[2] = -1;
-    b->temperature = temperature;
-}
-
-static model_batch_t view(batch_t *b) {
-    model_batch_t v = {b->T, b->B, b->tok, b->pos, b->cu, b->tgt, b->temperature, NULL, NULL};
-    return v;
 }
 
 /* Random upstream gradients in [-1, 1), a few exact zeros. */
