@@ -37,9 +37,6 @@ static int cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_toke
         return mo_errorf(MO_ENOMEM, "kv cache: out of memory for %lld tokens (%.1f MiB)",
                          (long long)budget_tokens, sizeof(float) * (double)floats / 1048576.0);
     }
-    /* Touched now, so that first-touch page faults and the kernel's zeroing stay out of
-     * the decode steps and a budget the machine cannot hold shows when the engine starts. */
-    memset(c->mem, 0, sizeof(float) * floats);
     /* Popped from the end: block 0 first. */
     for (int i = 0; i < c->n_blocks; i++)
         c->free_blocks[i] = c->n_blocks - 1 - i;

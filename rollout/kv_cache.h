@@ -18,9 +18,9 @@ extern "C" {
  * so that the scores of a query against a whole block are one vector loop over the
  * slots; values are (Hkv, BS, Dh). A block's keys and values are adjacent in memory (one
  * run of 2 BS Hkv Dh floats per layer), so that reading a block is one long sequential
- * read rather than several page-sized ones. Blocks carry a reference count: kv_seq_fork lets a new sequence
- * hold the full blocks of another (the prompt shared by G samples) and copies the last, partial
- * one, so every write goes to a block only its sequence holds.
+ * read rather than several page-sized ones. Blocks carry a reference count: kv_seq_fork
+ * lets a new sequence hold the full blocks of another (the prompt shared by G samples) and
+ * copies the last, partial one, so every write goes to a block only its sequence holds.
  *
  * Budget: the cache has NB = ceil(budget / BS) blocks. A request reserves, when it is
  * admitted, every block it may ever need (kv_cache_reserve); growing and forking take
@@ -51,8 +51,7 @@ typedef struct kv_seq {
 } kv_seq_t;
 
 /* budget_tokens >= 1; block_tokens 0 means KV_BLOCK_TOKENS. The memory is allocated
- * once and touched (zeroed) at once, so that no page fault lands in a decode step. MO_ENOMEM
- * names the bytes. */
+ * once (untouched pages cost nothing until used). MO_ENOMEM names the bytes. */
 int kv_cache_init(kv_cache_t *c, int L, int Hkv, int Dh, int64_t budget_tokens, int block_tokens);
 /* A keys-only cache of one row of `width` floats per token and layer, stored as keys
  * (1, width, BS) with no values (parts 1): the compressed latent of multi-head latent
