@@ -763,6 +763,29 @@ static void check_rl(const moerl_config_t *c, const cfg_origin_t *org, config_er
                c->learner.tis_cap);
 }
 
+/* run.device cuda: the learner's model on the GPU (learner/actor_exec.h), in builds with
+ * the CUDA backend, without what the device path cannot run. */
+static void check_device(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
+    if (c->run.device != DEV_CUDA)
+        return;
+    int dev = key_index("run", "device");
+#ifndef MOERL_HAVE_CUDA
+    report(e, org, dev,
+           "cuda: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a machine "
+           "with the CUDA Toolkit); use cpu");
+#endif
+    const char *full = c->lora.train_router ? "train_router" : "train_norms";
+    if (c->lora.train_router || c->lora.train_norms)
+        report(e, org, blame(org, dev, key_index("lora", full)),
+               "cuda trains LoRA adapters only: lora.train_router and lora.train_norms run on "
+               "the CPU only");
+    if (c->learner.ranks > 1)
+        report(e, org, blame(org, dev, key_index("learner", "ranks")),
+               "cuda runs the learner on one GPU: expert parallelism (learner.ranks = %d) runs "
+               "on the CPU only",
+               c->learner.ranks);
+}
+
 static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
     const char *tpl = c->rollout.prompt_template, *at = strstr(tpl, "{prompt}");
     if (!at || strstr(at + 1, "{prompt}"))
@@ -784,10 +807,7 @@ static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_
     if (nops > 3 || strspn(ops, "+-*") != nops || dup)
         report(e, org, key_index("data", "arith_ops"),
                "expected operators from + - * each at most once, got \"%s\"", ops);
-    if (c->run.device == DEV_CUDA)
-        report(e, org, key_index("run", "device"),
-               "cuda runs the GPU kernels only (their checks: ctest -L gpu); the model, the "
-               "rollout engine and the learner run on the CPU in this version: use cpu");
+    check_device(c, org, e);
     int kv = key_index("rollout", "kv_cache_tokens");
     if (c->rollout.kv_cache_tokens > 0 && c->rollout.kv_cache_tokens < c->model.max_seq_len)
         report(e, org, blame(org, kv, key_index("model", "max_seq_len")),
@@ -912,8 +932,13 @@ static const char *const doc_intro =
     "- `data.arith_min_digits` <= `data.arith_max_digits`, and `data.arith_ops` holds each of "
     "`+`, `-`, `*` at most once;\n"
     "- a non-zero `rollout.kv_cache_tokens` holds at least `model.max_seq_len` tokens;\n"
-    "- `run.device` is `cpu`: `cuda` is refused until the model, the rollout engine and the "
-    "learner run on the GPU (the CUDA backend's kernels are checked by `ctest -L gpu`).\n";
+    "- `run.device: cuda` needs a build with the CUDA backend (a build without it refuses the "
+    "key), `learner.ranks: 1`, and `lora.train_router` and `lora.train_norms` off. It runs the "
+    "learner's forwards and backwards (training step, old and reference log-probabilities; "
+    "`moerl sft`'s training step too) on the GPU; the loss, AdamW and evaluation stay on the "
+    "CPU, and the rollout engine runs on the CPU. A model the GPU path cannot run (multi-head "
+    "latent attention, sigmoid or group-limited routers, shared experts, fp8 weights) stops "
+    "the learner at startup with the reason, and so does a missing CUDA device.\n";
 
 void config_doc_markdown(FILE *out) {
     moerl_config_t def;

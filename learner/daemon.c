@@ -14,6 +14,7 @@
 #include "core/backend.h"
 #include "core/metrics.h"
 #include "core/status.h"
+#include "learner/actor_exec.h"
 #include "learner/checkpoint.h"
 #include "learner/daemon_internal.h"
 #include "learner/dataset.h"
@@ -1020,6 +1021,9 @@ static int load(ld_t *d) {
     int rc = trainer_new(&d->t, c, NULL, &to);
     if (rc < 0)
         return mo_error_wrap(rc, "trainer (model.path %s)", c->model.path);
+    char where[320];
+    actor_exec_describe(d->t->exec, where, sizeof where);
+    metrics_log(d->m, "%s", where);
     const model_t *m = d->t->model;
     d->V = m->V;
     d->M = m->n_moe;

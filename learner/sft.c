@@ -12,6 +12,7 @@
 #include "core/backend.h"
 #include "core/safetensors.h"
 #include "core/status.h"
+#include "learner/actor_exec.h"
 #include "learner/tasks.h"
 #include "learner/trainer.h"
 #include "lora/peft.h"
@@ -113,6 +114,10 @@ int sft_new(sft_t **out, const moerl_config_t *cfg, const sft_opts_t *opts) {
         rc = make_adapter(s);
     if (rc == MO_OK)
         rc = make_optim(s);
+    if (rc == MO_OK && cfg->run.device == DEV_CUDA) /* the upload copies the bound adapter */
+        rc = model_set_adapter(s->m, s->ad);
+    if (rc == MO_OK)
+        rc = actor_exec_new(&s->exec, s->m, cfg->run.device);
     if (rc < 0) {
         sft_destroy(&s);
         return rc;
@@ -125,6 +130,7 @@ void sft_destroy(sft_t **sp) {
     if (!sp || !*sp)
         return;
     sft_t *s = *sp;
+    actor_exec_destroy(&s->exec);
     if (s->m)
         model_set_adapter(s->m, NULL);
     model_destroy(&s->m);
@@ -274,9 +280,9 @@ static int run_micro(sft_t *s, const sft_batch_t *b, int i0, int i1, double *los
         cu[i] = b->off[i0 + i] - base;
     model_batch_next_token(pos, tgt, b->tokens + base, cu, B);
     model_batch_t mb = {T, B, b->tokens + base, pos, cu, tgt, s->temperature, NULL, NULL};
-    TRY(model_forward(s->m, &mb, lp, NULL, 1));
+    TRY(actor_exec_forward(s->exec, &mb, lp, NULL, 1));
     *loss += sft_loss_grad(dl, lp, b->mask + base, T, (double)b->n_resp);
-    return model_backward(s->m, dl, NULL);
+    return actor_exec_backward(s->exec, dl, NULL);
 }
 
 int sft_step(sft_t *s, const sft_pair_t *pairs, int n, sft_step_result_t *r) {
@@ -299,6 +305,7 @@ int sft_step(sft_t *s, const sft_pair_t *pairs, int n, sft_step_result_t *r) {
     if (b.S == 0)
         return MO_OK;
     TRY(model_set_adapter(s->m, s->ad));
+    TRY(actor_exec_sync(s->exec));
     lora_adapter_zero_grads(s->ad);
     int64_t cap = s->cfg->learner.micro_batch_tokens;
     double loss = 0;
@@ -311,6 +318,7 @@ int sft_step(sft_t *s, const sft_pair_t *pairs, int n, sft_step_result_t *r) {
     }
     optim_result_t or ;
     TRY(optim_step(&s->opt, s->ad->params, s->ad->grads, loss, NULL, & or));
+    TRY(actor_exec_sync(s->exec));
     res->loss = loss;
     res->grad_norm = or.grad_norm;
     res->lr = or.lr;

@@ -80,13 +80,17 @@ typedef struct sft {
     float temperature; /* 1 / logit_scale in full mode, else 1 */
     arena_t ar;        /* per-step buffers */
     int64_t step;
+    struct actor_exec *exec; /* where the training step runs: run.device (learner/actor_exec.h) */
 } sft_t;
 
 /* Opens model.path, its tokenizer, the data section (dataset_open_config) and the eval
  * reward (the task's verifier, else reward.function), and builds the adapter: the lora
  * section (rank from opts), or rank R on "all-linear" with alpha = R in full mode, init
  * seed trainer_lora_seed, plus the routers and norms lora.train_router and
- * lora.train_norms ask for (model_adapter_add_full). The config must outlive the sft. */
+ * lora.train_norms ask for (model_adapter_add_full). With run.device cuda the training
+ * step's forward and backward run on the GPU (learner/actor_exec.h; refused here, as
+ * trainer_new refuses it, when the model or adapter cannot run there); evaluation and the
+ * merge stay on the CPU. The config must outlive the sft. */
 int sft_new(sft_t **out, const moerl_config_t *cfg, const sft_opts_t *opts);
 void sft_destroy(sft_t **s);
 

@@ -9,6 +9,7 @@
 
 #include "core/rng.h"
 #include "core/status.h"
+#include "learner/actor_exec.h"
 #include "learner/ep_shard.h"
 #include "lora/peft.h"
 #include "moe/moe_ep.h"
@@ -271,6 +272,8 @@ int trainer_new(trainer_t **out, const moerl_config_t *cfg, model_t *model,
     }
     arena_init(&t->w->ar, 0);
     rc = model_set_adapter(m, t->adapter);
+    if (rc == MO_OK)
+        rc = actor_exec_new(&t->exec, m, cfg->run.device);
     if (rc < 0) {
         trainer_destroy(&t);
         return rc;
@@ -283,6 +286,7 @@ void trainer_destroy(trainer_t **tp) {
     if (!tp || !*tp)
         return;
     trainer_t *t = *tp;
+    actor_exec_destroy(&t->exec);
     if (t->model && !t->own_model && t->model->adapter == t->adapter)
         model_set_adapter(t->model, NULL);
     if (t->own_model)
@@ -615,8 +619,8 @@ static int mb_forward(trainer_t *t, const uint16_t *replay, uint16_t *routing, f
                             .replay = replay ? replay + (size_t)b->t0 * row : NULL,
                             .routing = routing ? routing + (size_t)b->t0 * row : NULL};
     t->w->fwd_tokens += b->T;
-    TRY(model_forward(t->model, &mbatch, b->logp + b->t0, ent ? ent + b->t0 : NULL,
-                      for_backward));
+    TRY(actor_exec_forward(t->exec, &mbatch, b->logp + b->t0, ent ? ent + b->t0 : NULL,
+                           for_backward));
     if (!t->comm)
         return MO_OK;
     TRY(mb_allgather(t, b->logp, b->stage, 1, DT_F32));
@@ -818,7 +822,7 @@ static int train_mb(trainer_t *t, int i0, int i1, const pl_norm_t *norm, pl_metr
                      .mask = b->mask};
     TRY(policy_loss(b->dlogp, want_ent ? b->dent : NULL, um, &pb, &t->pl, norm));
     /* This rank's run only (all of it on one rank). */
-    return model_backward(t->model, b->dlogp + b->t0, want_ent ? b->dent + b->t0 : NULL);
+    return actor_exec_backward(t->exec, b->dlogp + b->t0, want_ent ? b->dent + b->t0 : NULL);
 }
 
 /* One optimizer update over the minibatch order[lo..hi). */
@@ -843,6 +847,7 @@ static int update(trainer_t *t, int lo, int hi, pl_metrics_t *tot, trainer_metri
     }
     TRY(optim_step(&t->optim, t->adapter->params, t->adapter->grads, um.loss,
                    t->comm ? &sq : NULL, &res));
+    TRY(actor_exec_sync(t->exec)); /* the device copy of the adapter follows */
     pl_metrics_add(tot, &um);
     if (res.outcome == OPTIM_APPLIED) {
         m->updates++;
@@ -950,6 +955,7 @@ int trainer_step(trainer_t *t, const sample_group_t *const *groups, int n_groups
     t->w->fwd_tokens = 0;
     t->w->S = 0;
     TRY(model_set_adapter(t->model, t->adapter));
+    TRY(actor_exec_sync(t->exec)); /* the adapter may have been loaded or resumed */
     int rc = step_body(t, groups, n_groups, m);
     if (m->trained) {
         t->step++;
@@ -983,6 +989,7 @@ int trainer_sample_logprobs(trainer_t *t, const sample_group_t *g, int s, float 
     trainer_work_t *w = t->w;
     arena_reset(&w->ar);
     TRY(model_set_adapter(t->model, t->adapter));
+    TRY(actor_exec_sync(t->exec));
     sample_t one = g->samples[s];
     sample_group_t sub = *g;
     sub.samples = &one;

@@ -163,6 +163,7 @@ typedef struct trainer {
     struct ep_shard *ep;      /* the shard plan with comm */
     lora_adapter_t *whole;    /* rank 0 with comm: the whole adapter (trainer_whole_adapter) */
     optim_t whole_optim;      /* ... and its AdamW state (trainer_whole_state) */
+    struct actor_exec *exec;  /* where the model runs: run.device (learner/actor_exec.h) */
 } trainer_t;
 
 /* FNV-1a of the config keys that change what a step computes (run.seed, model.dtype,
@@ -183,7 +184,12 @@ int trainer_no_decay(optim_t *o, const lora_adapter_t *ad);
 /* Builds the trainer of a job: model NULL opens model.path (owned), else the model is
  * borrowed and must outlive the trainer. The adapter follows the lora section (and
  * opts->init_adapter), the optimizer the learner section. The trainer binds its adapter
- * to the model at every step. opts may be NULL (defaults). */
+ * to the model at every step. opts may be NULL (defaults). With run.device cuda the
+ * model's forwards and backwards run on the GPU (learner/actor_exec.h: weights uploaded
+ * here, the adapter copied to the device at the start of each step and after each
+ * optimizer update); what the device path cannot run (a model feature, trainable routers
+ * or norms, expert parallelism, a balance loss) is MO_ECONFIG here, and a missing device
+ * MO_EDEVICE. The loss, AdamW and the bookkeeping stay on the CPU. */
 int trainer_new(trainer_t **out, const moerl_config_t *cfg, model_t *model,
                 const trainer_opts_t *opts);
 void trainer_destroy(trainer_t **t);

@@ -1,7 +1,9 @@
 /* Integration: daemons and `moerl run` started with a bad config, an endpoint already in
  * use, or CURVE keys missing fail at once, exit 1 and say which key or endpoint is wrong;
  * `moerl run` starts nothing then. A learner whose learner.ranks does not divide the
- * experts goes through mpirun and its refusal is reported as the learner's error. */
+ * experts goes through mpirun and its refusal is reported as the learner's error.
+ * run.device cuda is refused by a build without the CUDA backend, and with expert
+ * parallelism. */
 #include <sys/stat.h>
 
 #include "tests/it_job.h"
@@ -144,12 +146,37 @@ static void test_ranks_through_mpirun(void) {
     it_close(&j);
 }
 
+/* run.device cuda: without the CUDA backend the config check refuses it at once, naming
+ * the file and the key; in any build, expert parallelism with it is refused. */
+static void test_device_cuda(void) {
+    char extra[4096];
+    it_knobs_t k = it_knobs_default();
+    it_sections(extra, sizeof extra - 32, &k);
+    strcat(extra, "run.device: cuda\n");
+    it_job_t j;
+    it_open(&j, extra);
+    const char *exe = tu_moerl_exe();
+#ifndef MOERL_HAVE_CUDA
+    const char *no_cuda = "run.device: cuda: this build has no CUDA backend";
+    const char *run[] = {exe, "run", j.config, NULL};
+    expect_fail(run_to_end(&j, "run.out", run), "job.yaml:", no_cuda);
+    CU_ASSERT(!exists(j.run));
+    const char *learner[] = {exe, "learner", j.config, NULL};
+    expect_fail(run_to_end(&j, "learner.out", learner), "job.yaml:", no_cuda);
+#endif
+    const char *ep[] = {exe, "learner", j.config, "--set", "learner.ranks=2", NULL};
+    expect_fail(run_to_end(&j, "ep.out", ep), "learner.ranks: cuda runs the learner on one GPU",
+                NULL);
+    it_close(&j);
+}
+
 int main(void) {
     CU_TestInfo tests[] = {
         {"bad config", test_bad_config},
         {"endpoint in use", test_endpoint_in_use},
         {"keys missing", test_keys_missing},
         {"ranks through mpirun", test_ranks_through_mpirun},
+        {"run.device cuda", test_device_cuda},
         CU_TEST_INFO_NULL,
     };
     return tu_main("it_startup_errors", tests);

@@ -246,9 +246,18 @@ static const error_case_t error_cases[] = {
     {"empty non-empty string",
      "reward:\n  function: \"\"\n",
      {"cases/x.yaml:2: reward.function: expected a non-empty string, got \"\""}},
-    {"cuda device",
+#ifndef MOERL_HAVE_CUDA
+    {"cuda device without the CUDA backend",
      "run:\n  seed: 3\n  device: cuda\n",
-     {"cases/x.yaml:3: run.device: cuda runs the GPU kernels only", "use cpu"}},
+     {"cases/x.yaml:3: run.device: cuda: this build has no CUDA backend", "use cpu"}},
+#endif
+    {"cuda device with expert parallelism",
+     "run:\n  device: cuda\nlearner:\n  ranks: 2\n",
+     {"cases/x.yaml:4: learner.ranks: cuda runs the learner on one GPU",
+      "(learner.ranks = 2) runs on the CPU only"}},
+    {"cuda device with trainable norms",
+     "run:\n  device: cuda\nlora:\n  train_norms: true\n",
+     {"cases/x.yaml:4: lora.train_norms: cuda trains LoRA adapters only"}},
     {"null number",
      "learner:\n  lr:\n",
      {"cases/x.yaml:2: learner.lr: expected a number in (0, 1], got null"}},
@@ -339,7 +348,12 @@ static void test_set(void) {
     CU_ASSERT(c.run.deterministic);
     CU_ASSERT_EQUAL(config_set(&c, "run.device", "cuda"), 0);
     CU_ASSERT_EQUAL(c.run.device, DEV_CUDA);
-    CU_ASSERT_EQUAL(config_validate(&c), MO_ECONFIG); /* refused across keys, see error cases */
+#ifdef MOERL_HAVE_CUDA
+    CU_ASSERT_EQUAL(config_validate(&c), 0); /* the learner runs on the GPU */
+#else
+    CU_ASSERT_EQUAL(config_validate(&c), MO_ECONFIG); /* no CUDA backend, see error cases */
+    ASSERT_HAS(mo_last_error(), "run.device: cuda: this build has no CUDA backend");
+#endif
     CU_ASSERT_EQUAL(config_set(&c, "run.device", "cpu"), 0);
     CU_ASSERT_EQUAL(config_set(&c, "learner.loss_agg", "seq-mean-token-sum"), 0);
     CU_ASSERT_EQUAL(c.learner.loss_agg, CFG_AGG_SEQ_MEAN_TOKEN_SUM);

@@ -1,6 +1,7 @@
 /* test_trainer: one RL step on a tiny random MoE model: updates, the loss going down on
  * a fixed batch, staleness and flat-group filters, non-finite skips, micro-batching,
- * single-thread determinism, routing agreement and the mismatch gate. */
+ * single-thread determinism, routing agreement, the mismatch gate, and run.device cuda
+ * refused without the CUDA backend. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -509,6 +510,22 @@ static void test_malformed(void) {
     lf_close(&f);
 }
 
+/* run.device cuda in a build without the CUDA backend: refused when the trainer is built,
+ * naming the key (the config check refuses it first; tests/test_config.c). With the
+ * backend, tests/gpu_learner.c runs it. */
+static void test_device_cuda(void) {
+#ifndef MOERL_HAVE_CUDA
+    lf_t f;
+    lf_open(&f);
+    lf_set(&f, "run.device", "cuda");
+    trainer_t *t = NULL;
+    CU_ASSERT_EQUAL(trainer_new(&t, &f.cfg, NULL, NULL), MO_ECONFIG);
+    CU_ASSERT_PTR_NULL(t);
+    CU_ASSERT_PTR_NOT_NULL(strstr(mo_last_error(), "run.device: cuda: this build has no CUDA"));
+    lf_close(&f);
+#endif
+}
+
 int main(void) {
     backend_cpu_set_threads(1); /* tiny shapes: threads only add overhead */
     CU_TestInfo tests[] = {
@@ -525,6 +542,7 @@ int main(void) {
         {"routing agreement", test_routing_agreement},
         {"mismatch filter and gate", test_mismatch},
         {"malformed groups are dropped", test_malformed},
+        {"run.device cuda", test_device_cuda},
         CU_TEST_INFO_NULL,
     };
     return tu_main("trainer", tests);

@@ -1,12 +1,13 @@
 /* host_cuda: host twins of the device pieces the CUDA model path calls, so that the GPU
- * suites of that path (tests/gpu_model.c, tests/gpu_model_train.c) also run, with the real
- * actor/model_cuda.c and actor/model_cuda_train.c, on a machine without a GPU.
+ * suites of that path (tests/gpu_model.c, tests/gpu_model_train.c, tests/gpu_learner.c)
+ * also run, with the real actor/model_cuda.c and actor/model_cuda_train.c (and, for the
+ * learner, learner/actor_exec.c), on a machine without a GPU.
  *
- * Built into host_gpu_model and host_gpu_model_train (tests/CMakeLists.txt, CPU-only builds)
- * with MOERL_HAVE_CUDA defined and backend_get renamed to host_cuda_backend_get: the
- * "device" is host memory (pool blocks poisoned with NaN, so a read of an unwritten buffer
- * shows), its kernel table is the CPU's, and core/cuda/moe_cuda.h and model_glue.h are
- * implemented here as plain loops following their contracts (grouped products summed in
+ * Built into host_gpu_model, host_gpu_model_train and host_gpu_learner (tests/CMakeLists.txt,
+ * CPU-only builds) with MOERL_HAVE_CUDA defined and backend_get renamed to
+ * host_cuda_backend_get: the "device" is host memory (pool blocks poisoned with NaN, so a
+ * read of an unwritten buffer shows), its kernel table is the CPU's, and
+ * core/cuda/moe_cuda.h and model_glue.h are implemented here as plain loops following their contracts (grouped products summed in
  * double; bf16 weights read exactly, without the device's bf16 rounding of the other
  * operand). What this checks is the model path's own work: buffer layouts and sizes, the
  * order of the layers' steps, pointer tables, routing and the gradient bookkeeping; the
@@ -92,6 +93,12 @@ void backend_cuda_pool_stats(cuda_pool_stats_t *s) {
     memset(s, 0, sizeof *s);
     s->device_allocs = g_allocs;
     s->allocs = g_allocs;
+}
+
+int backend_cuda_device_info(cuda_device_info_t *info) {
+    memset(info, 0, sizeof *info);
+    strcpy(info->name, "host twin");
+    return MO_OK;
 }
 
 /* ---- dispatch plan, gather and combine: moe/moe.c's ---- */
