@@ -11,6 +11,8 @@
  * Exits 77 (skipped) without CUDA support in the build or without a device. */
 #include <stdio.h>
 
+#include "tests/gpu_main.h"
+
 #ifdef MOERL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -368,25 +370,12 @@ static CU_TestInfo g_tests[] = {
 };
 
 int main(void) {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("gpu_attn_decode: no CUDA device (%s), skipped\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
-        return 77;
-    }
-    g_gpu = backend_get(DEV_CUDA);
-    if (!g_gpu) {
-        fprintf(stderr, "gpu_attn_decode: %s\n", mo_last_error());
-        return 1;
-    }
+    int rc = 0;
+    if (!(g_gpu = gpu_suite_backend("gpu_attn_decode", &rc)))
+        return rc;
     return tu_main("gpu_attn_decode", g_tests);
 }
 
 #else
-int main(void) {
-    printf("gpu_attn_decode: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a "
-           "machine with the CUDA Toolkit), skipped\n");
-    return 77;
-}
+int main(void) { return gpu_suite_absent("gpu_attn_decode"); }
 #endif

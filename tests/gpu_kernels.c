@@ -8,6 +8,8 @@
  * Exits 77 (skipped) without CUDA support in the build or without a device. */
 #include <stdio.h>
 
+#include "tests/gpu_main.h"
+
 #ifdef MOERL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -960,18 +962,9 @@ static CU_TestInfo g_tests[] = {
 };
 
 int main(void) {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("gpu_kernels: no CUDA device (%s), skipped\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
-        return 77;
-    }
-    g_gpu = backend_get(DEV_CUDA);
-    if (!g_gpu) {
-        fprintf(stderr, "gpu_kernels: %s\n", mo_last_error());
-        return 1;
-    }
+    int rc = 0;
+    if (!(g_gpu = gpu_suite_backend("gpu_kernels", &rc)))
+        return rc;
     backend_cpu_set_threads(0);
     KG = g_gpu->k;
     KC = backend_cpu()->k;
@@ -979,9 +972,5 @@ int main(void) {
 }
 
 #else
-int main(void) {
-    printf("gpu_kernels: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a "
-           "machine with the CUDA Toolkit), skipped\n");
-    return 77;
-}
+int main(void) { return gpu_suite_absent("gpu_kernels"); }
 #endif

@@ -13,6 +13,8 @@
  * without a device. */
 #include <stdio.h>
 
+#include "tests/gpu_main.h"
+
 #ifdef MOERL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -257,25 +259,13 @@ static CU_TestInfo g_tests[] = {
 };
 
 int main(void) {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("gpu_learner: no CUDA device (%s), skipped\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
-        return 77;
-    }
-    if (!backend_get(DEV_CUDA)) {
-        fprintf(stderr, "gpu_learner: %s\n", mo_last_error());
-        return 1;
-    }
+    int rc = 0;
+    if (!gpu_suite_backend("gpu_learner", &rc))
+        return rc;
     backend_cpu_set_threads(1);
     return tu_main("gpu_learner", g_tests);
 }
 
 #else
-int main(void) {
-    printf("gpu_learner: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a "
-           "machine with the CUDA Toolkit), skipped\n");
-    return 77;
-}
+int main(void) { return gpu_suite_absent("gpu_learner"); }
 #endif

@@ -12,6 +12,8 @@
  * Exits 77 (skipped) without CUDA support in the build or without a device. */
 #include <stdio.h>
 
+#include "tests/gpu_main.h"
+
 #ifdef MOERL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -450,25 +452,13 @@ static CU_TestInfo g_tests[] = {
 };
 
 int main(void) {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("gpu_model: no CUDA device (%s), skipped\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
-        return 77;
-    }
-    if (!backend_get(DEV_CUDA)) {
-        fprintf(stderr, "gpu_model: %s\n", mo_last_error());
-        return 1;
-    }
+    int rc = 0;
+    if (!gpu_suite_backend("gpu_model", &rc))
+        return rc;
     backend_cpu_set_threads(0);
     return tu_main("gpu_model", g_tests);
 }
 
 #else
-int main(void) {
-    printf("gpu_model: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a "
-           "machine with the CUDA Toolkit), skipped\n");
-    return 77;
-}
+int main(void) { return gpu_suite_absent("gpu_model"); }
 #endif

@@ -10,6 +10,8 @@
  * Exits 77 (skipped) without CUDA support in the build or without a device. */
 #include <stdio.h>
 
+#include "tests/gpu_main.h"
+
 #ifdef MOERL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -757,27 +759,14 @@ static CU_TestInfo g_tests[] = {
 };
 
 int main(void) {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("gpu_moe: no CUDA device (%s), skipped\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
-        return 77;
-    }
-    g_gpu = backend_get(DEV_CUDA);
-    if (!g_gpu) {
-        fprintf(stderr, "gpu_moe: %s\n", mo_last_error());
-        return 1;
-    }
+    int rc = 0;
+    if (!(g_gpu = gpu_suite_backend("gpu_moe", &rc)))
+        return rc;
     backend_cpu_set_threads(0);
     KC = backend_cpu()->k;
     return tu_main("gpu_moe", g_tests);
 }
 
 #else
-int main(void) {
-    printf("gpu_moe: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a "
-           "machine with the CUDA Toolkit), skipped\n");
-    return 77;
-}
+int main(void) { return gpu_suite_absent("gpu_moe"); }
 #endif

@@ -11,6 +11,8 @@
  * CUDA support in the build or without a device. */
 #include <stdio.h>
 
+#include "tests/gpu_main.h"
+
 #ifdef MOERL_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <math.h>
@@ -359,18 +361,9 @@ static void test_arguments(void) {
 }
 
 int main(void) {
-    int ndev = 0;
-    cudaError_t e = cudaGetDeviceCount(&ndev);
-    if (e != cudaSuccess || ndev == 0) {
-        printf("gpu_sampler: no CUDA device (%s), skipped\n",
-               e != cudaSuccess ? cudaGetErrorString(e) : "none present");
-        return 77;
-    }
-    g_gpu = backend_get(DEV_CUDA);
-    if (!g_gpu) {
-        fprintf(stderr, "gpu_sampler: %s\n", mo_last_error());
-        return 1;
-    }
+    int rc = 0;
+    if (!(g_gpu = gpu_suite_backend("gpu_sampler", &rc)))
+        return rc;
     CU_TestInfo tests[] = {
         {"arguments", test_arguments},
         {"V=261 against the CPU sampler", test_small_vocab},
@@ -383,9 +376,5 @@ int main(void) {
 }
 
 #else
-int main(void) {
-    printf("gpu_sampler: this build has no CUDA backend (configure with -DMOERL_CUDA=ON on a "
-           "machine with the CUDA Toolkit), skipped\n");
-    return 77;
-}
+int main(void) { return gpu_suite_absent("gpu_sampler"); }
 #endif
