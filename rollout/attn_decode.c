@@ -4,7 +4,6 @@
 #include <math.h>
 #include <omp.h>
 #include <string.h>
-#include <stdlib.h>
 
 #include "core/cpu/scratch.h"
 #include "core/status.h"
