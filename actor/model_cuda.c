@@ -419,6 +419,8 @@ void model_cuda_free(model_cuda_t **pmc) {
         moe_cuda_plan_free(&mc->plan);
         if (mc->smem)
             mc->be->free(mc->be, mc->smem);
+        if (mc->dmem)
+            mc->be->free(mc->be, mc->dmem);
         if (mc->wmem)
             mc->be->free(mc->be, mc->wmem);
     }
@@ -652,9 +654,10 @@ static void norm_rope(const model_cuda_t *mc, float *qk, float *rstd, const floa
                     mc->Dh);
 }
 
-/* mc->s.o (T, D) = the attention block of layer ly on rmsnorm(a->x). */
-static int attention(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T, int B,
-                     int ad) {
+/* mc->s.o (T, D) = the attention block of layer l on rmsnorm(a->x): causal attention over
+ * the packed sequences, or mc->attend's core (the decode step's paged cache). */
+static int attention(model_cuda_t *mc, int l, const mc_acts_t *a, int T, int B, int ad) {
+    const mc_layer_t *ly = &mc->layers[l];
     const kernels_t *k = mc->be->k;
     int D = mc->D, qd = mc->H * mc->Dh, kvd = mc->Hkv * mc->Dh;
     k->rmsnorm_forward(a->ln1, a->rstd1, a->x, ly->attn_norm, T, D, mc->m->eps);
@@ -664,8 +667,11 @@ static int attention(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts
     TRY(proj(mc, a->v, a->xa_v, a->ln1, &ly->wv, ad ? &ly->lv : NULL, T, D, kvd));
     norm_rope(mc, a->qr, a->rstd_q, q, ly->q_norm, T, mc->H);
     norm_rope(mc, a->kr, a->rstd_k, kk, ly->k_norm, T, mc->Hkv);
-    k->attention_forward(a->att, a->lse, a->qr, a->kr, a->v, mc->id->cu, B, mc->H, mc->Hkv, mc->Dh,
-                         mc->m->attn_scale, ly->window);
+    if (mc->attend)
+        TRY(mc->attend(mc, l, a, T));
+    else
+        k->attention_forward(a->att, a->lse, a->qr, a->kr, a->v, mc->id->cu, B, mc->H, mc->Hkv,
+                             mc->Dh, mc->m->attn_scale, ly->window);
     return proj(mc, mc->s.o, a->xa_o, a->att, &ly->wo, ad ? &ly->lo : NULL, T, qd, D);
 }
 
@@ -722,7 +728,7 @@ static int dense(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *
 int mc_layer_forward(model_cuda_t *mc, int l, const mc_acts_t *a, int T, int B, int ad) {
     const mc_layer_t *ly = &mc->layers[l];
     size_t TD = (size_t)T * mc->D;
-    TRY(attention(mc, ly, a, T, B, ad));
+    TRY(attention(mc, l, a, T, B, ad));
     TRY(model_glue_add(a->h1, a->x, mc->s.o, TD));
     mc->be->k->rmsnorm_forward(a->ln2, a->rstd2, a->h1, ly->mlp_norm, T, mc->D, mc->m->eps);
     TRY(ly->moe ? moe(mc, ly, a, T, ad) : dense(mc, ly, a, T, ad));
@@ -742,8 +748,7 @@ void mc_head_forward(const model_cuda_t *mc, float *hf, float *rstd, float *lse,
     }
 }
 
-/* The scoring forward's acts: every layer on the same scratch, in place on s->x. */
-static mc_acts_t scoring_acts(const mc_scratch_t *s) {
+mc_acts_t mc_scoring_acts(const mc_scratch_t *s) {
     mc_acts_t a;
     memset(&a, 0, sizeof a);
     a.x = s->x;
@@ -780,7 +785,7 @@ static int run(model_cuda_t *mc, const model_batch_t *b, int ad) {
     TRY(mc_upload_batch(mc, mc->id, b, "model_cuda_logprobs"));
     const mc_scratch_t *s = &mc->s;
     mc->be->k->embedding_forward(s->x, s->id.tok, &mc->embed, T, mc->D);
-    mc_acts_t a = scoring_acts(s);
+    mc_acts_t a = mc_scoring_acts(s);
     for (int l = 0; l < mc->L; l++) {
         int rc = mc_layer_forward(mc, l, &a, T, b->B, ad);
         if (rc < 0)

@@ -1,7 +1,7 @@
 /* model_cuda: the policy model on the CUDA backend, from a device copy of a loaded model's
- * weights and adapter: the scoring forward (per-token logprob and entropy of a packed batch)
- * and the training step (a forward that keeps its activations, and the backward to the
- * adapter's gradients). */
+ * weights and adapter: the scoring forward (per-token logprob and entropy of a packed batch),
+ * the training step (a forward that keeps its activations, and the backward to the
+ * adapter's gradients) and the rollout engine's decode step over a paged KV cache. */
 #ifndef MOERL_ACTOR_MODEL_CUDA_H
 #define MOERL_ACTOR_MODEL_CUDA_H
 
@@ -97,6 +97,45 @@ int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, f
  * same inputs give the same bits. */
 int model_cuda_forward_train(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy);
 int model_cuda_backward(model_cuda_t *mc, const float *dlogp, const float *dentropy);
+
+/* One decode step of the rollout engine: N rows, each the next token of a different
+ * sequence whose keys and values for positions 0 .. pos[i] - 1 are in a paged KV cache in
+ * device memory, in rollout/kv_cache.h's layout (kv_cache_t.mem of a keys-and-values cache
+ * for this model, copied to the device: (L, NB, 2, BS Hkv Dh) floats). Host arrays except
+ * kv. */
+typedef struct model_cuda_decode {
+    int N;                       /* rows */
+    const int32_t *tokens;       /* (N) ids in [0, V) */
+    const int32_t *pos;          /* (N) each row's position in its sequence, >= 0 */
+    const int32_t *block_tables; /* (N, max_blocks): position p of row i's sequence is slot
+                                  * p % BS of block block_tables[i, p / BS] */
+    int max_blocks;              /* entries per row of block_tables */
+    float *kv;                   /* DEVICE: the cache memory */
+    int NB, BS;                  /* its blocks and tokens per block */
+    uint16_t *routing;           /* (N, M, K) receives each row's experts, or NULL */
+} model_cuda_decode_t;
+
+/* logits (N, V, HOST) = the model's next-token logits for the rows of b, the CPU engine's
+ * decode_forward then model_logits (rollout/decode.h) on the device: each layer runs the
+ * scoring forward's code on the N rows (rmsnorm, q/k/v with the adapter, per-head norms,
+ * RoPE at pos, o, MoE with natural routing or the dense MLP) with the attention replaced
+ * by core/cuda/attn_decode.h's: each row's new key and value are stored at pos[i] of its
+ * sequence in layer l of b->kv, then its query attends to positions 0 .. pos[i] (the
+ * layer's sliding window honoured). The cache then holds the rows' keys and values of
+ * every layer; nothing else in it is written. Results agree with the CPU as the scoring
+ * forward's do (f32 ~1e-5, bf16 ~1e-2). use_adapter as in model_cuda_logprobs.
+ *
+ * Checked on the host (MO_EINVAL naming the row): tokens in [0, V), pos[i] < max_blocks
+ * BS, the table entries of blocks 0 .. pos[i] / BS in [0, NB), and no two rows writing the
+ * same block (the block holding pos[i]: one new token of different sequences, blocks
+ * shared by forks must be full, as kv_seq_fork leaves them). The layer loop queues its
+ * work on the calling thread's stream with no host sync; the logits are formed in chunks
+ * (mc_logits_rows) and copied back chunk by chunk. Ids and tables go up in one copy into a
+ * pool block kept between calls, the activations use model_cuda_logprobs's scratch:
+ * repeated steps with the same N and max_blocks make no new device allocations after the
+ * first. */
+int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
+                      int use_adapter);
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
-/* model_cuda_int: what the two halves of the CUDA model share: the device layout of the
- * weights, the per-call buffers, and the layer forward both the scoring forward
- * (model_cuda.c) and the training step (model_cuda_train.c) run. Private to actor/. */
+/* model_cuda_int: what the parts of the CUDA model share: the device layout of the
+ * weights, the per-call buffers, and the layer forward the scoring forward (model_cuda.c),
+ * the training step (model_cuda_train.c) and the decode step (model_cuda_decode.c) run.
+ * Private to actor/. */
 #ifndef MOERL_ACTOR_MODEL_CUDA_INT_H
 #define MOERL_ACTOR_MODEL_CUDA_INT_H
 
@@ -94,6 +95,18 @@ typedef struct mc_scratch {
 
 typedef struct mc_train mc_train_t; /* the training step's state (model_cuda_train.c) */
 
+/* The attention core of layer l: a->att (T, H Dh) from a->qr, a->kr and a->v (after the
+ * per-head norms and RoPE). */
+typedef int (*mc_attend_fn)(model_cuda_t *mc, int l, const mc_acts_t *a, int T);
+
+/* The paged KV cache a decode step attends over (model_cuda_decode.c). */
+typedef struct mc_kv {
+    float *mem;            /* (L, NB, 2, BS Hkv Dh) device, rollout/kv_cache.h's layout */
+    int NB, BS;            /* blocks, tokens per block */
+    const int32_t *tables; /* (T, max_blocks) device: row i's block table */
+    int max_blocks;
+} mc_kv_t;
+
 struct model_cuda {
     const model_t *m;
     const backend_t *be;
@@ -121,6 +134,16 @@ struct model_cuda {
     const mc_ids_t *id;
     moe_cuda_plan_t *cur_plan;
     mc_train_t *tr; /* NULL until the first model_cuda_forward_train */
+    /* This call's attention core: NULL runs causal attention over the packed sequences
+     * (mc->id->cu); the decode step sets its own over kv while it runs. */
+    mc_attend_fn attend;
+    mc_kv_t kv;
+    /* The decode step's ids (mc_ids_layout for its rows) and block tables, in their own
+     * pool block kept between calls; its activations use the scoring scratch. */
+    mc_ids_t did;
+    int32_t *dtables; /* (N, max_blocks) */
+    void *dmem;
+    size_t dcap;
 };
 
 /* Grow-only carving of a pool block: base NULL only measures. */
@@ -151,9 +174,12 @@ int mc_check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *
                    const char *fn);
 /* Copies b's ids (and replayed experts) into id with one host-to-device copy. */
 int mc_upload_batch(model_cuda_t *mc, const mc_ids_t *id, const model_batch_t *b, const char *fn);
-/* a->out = layer l on a->x, with the adapter when ad; reads mc->id, mc->cur_plan and
- * mc->replay, uses mc->s.o, s.rlogits, s.val and s.xg as temporaries. */
+/* a->out = layer l on a->x, with the adapter when ad; reads mc->id, mc->cur_plan,
+ * mc->replay and mc->attend, uses mc->s.o, s.rlogits, s.val and s.xg as temporaries. */
 int mc_layer_forward(model_cuda_t *mc, int l, const mc_acts_t *a, int T, int B, int ad);
+/* The scoring forward's acts: every layer on the scratch s, in place on s->x (several
+ * fields share a buffer). */
+mc_acts_t mc_scoring_acts(const mc_scratch_t *s);
 /* hf (T, D), rstd (T) = the final norm of x; lse, logp, ent (T) from the chunked lm_head
  * (mc->s.logits) at temperature. */
 void mc_head_forward(const model_cuda_t *mc, float *hf, float *rstd, float *lse, float *logp,

@@ -1,0 +1,186 @@
+/* model_cuda_decode: the rollout engine's decode step on the CUDA backend: one new token per
+ * sequence through the scoring forward's layers, attending over a paged KV cache in device
+ * memory. */
+#include "actor/model_cuda.h"
+
+#ifdef MOERL_HAVE_CUDA
+
+#include "actor/model_cuda_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/backend.h"
+#include "core/cuda/attn_decode.h"
+#include "core/status.h"
+
+/* The decode step's attention core: row i's new key and value stored at pos[i] of layer l,
+ * then its query over positions 0 .. pos[i] of its sequence. */
+static int attend_paged(model_cuda_t *mc, int l, const mc_acts_t *a, int T) {
+    const mc_kv_t *kv = &mc->kv;
+    return cuda_attn_decode(a->att, a->qr, a->kr, a->v, kv->mem, mc->L, kv->NB, kv->BS, mc->Hkv,
+                            mc->Dh, l, kv->tables, kv->max_blocks, mc->id->pos, T, mc->H,
+                            mc->m->attn_scale, mc->layers[l].window, 0);
+}
+
+static int cmp_i64(const void *x, const void *y) {
+    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* No two rows write the same block: the block holding each row's pos, sorted with its row. */
+static int check_writes(const model_cuda_decode_t *b, const char *fn) {
+    int64_t *w = malloc(sizeof *w * (size_t)b->N);
+    if (!w)
+        return mo_errorf(MO_ENOMEM, "%s: %d rows", fn, b->N);
+    for (int i = 0; i < b->N; i++) {
+        int32_t blk = b->block_tables[(size_t)i * b->max_blocks + b->pos[i] / b->BS];
+        w[i] = (int64_t)blk << 32 | (int64_t)i;
+    }
+    qsort(w, (size_t)b->N, sizeof *w, cmp_i64);
+    int rc = MO_OK;
+    for (int i = 1; i < b->N && rc == MO_OK; i++)
+        if (w[i] >> 32 == w[i - 1] >> 32)
+            rc = mo_errorf(MO_EINVAL,
+                           "%s: rows %d and %d both store their new token in block %d (every "
+                           "row must be a different sequence, in a block only it holds)",
+                           fn, (int)(w[i - 1] & 0xffffffff), (int)(w[i] & 0xffffffff),
+                           (int)(w[i] >> 32));
+    free(w);
+    return rc;
+}
+
+static int check_step(const model_cuda_t *mc, const model_cuda_decode_t *b, const float *logits,
+                      const char *fn) {
+    if (!b || b->N < 0)
+        return mo_errorf(MO_EINVAL, "%s: a step needs N >= 0 rows", fn);
+    if (b->N == 0)
+        return MO_OK;
+    if (!b->tokens || !b->pos || !b->block_tables || !b->kv || !logits)
+        return mo_errorf(MO_EINVAL,
+                         "%s: a step needs tokens, pos, block_tables, the device cache "
+                         "kv and a logits output",
+                         fn);
+    if (b->NB < 1 || b->BS < 1 || b->max_blocks < 1 ||
+        (int64_t)b->max_blocks * b->BS > (int64_t)1 << 30)
+        return mo_errorf(MO_EINVAL,
+                         "%s: NB=%d blocks of BS=%d tokens with max_blocks=%d per row (need each "
+                         ">= 1, max_blocks BS < 2^30)",
+                         fn, b->NB, b->BS, b->max_blocks);
+    for (int i = 0; i < b->N; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= mc->V)
+            return mo_errorf(MO_EINVAL, "%s: row %d is token %d, outside [0, %d)", fn, i,
+                             b->tokens[i], mc->V);
+        int p = b->pos[i];
+        if (p < 0 || p >= b->max_blocks * b->BS)
+            return mo_errorf(MO_EINVAL,
+                             "%s: row %d is at position %d, outside its table's [0, %d) "
+                             "(max_blocks %d of BS %d)",
+                             fn, i, p, b->max_blocks * b->BS, b->max_blocks, b->BS);
+        const int32_t *tab = b->block_tables + (size_t)i * b->max_blocks;
+        for (int j = 0; j <= p / b->BS; j++)
+            if (tab[j] < 0 || tab[j] >= b->NB)
+                return mo_errorf(MO_EINVAL,
+                                 "%s: row %d (position %d) names block %d at table entry %d, "
+                                 "outside the cache's [0, %d)",
+                                 fn, i, p, tab[j], j, b->NB);
+    }
+    return check_writes(b, fn);
+}
+
+/* The step's ids and tables in the decode block (tables first, then mc_ids_layout's ids up
+ * to off1): one host-to-device copy. Returns the bytes the block needs (base NULL: only
+ * measures). */
+static size_t ids_layout(model_cuda_t *mc, char *base, int N, int max_blocks) {
+    mc_bump_t bp = {base, 0};
+    MC_BUMP(mc->dtables, &bp, (size_t)N * max_blocks);
+    mc_ids_layout(mc, &bp, &mc->did, N, 1);
+    return bp.off;
+}
+
+static int upload_rows(model_cuda_t *mc, const model_cuda_decode_t *b, const char *fn) {
+    int N = b->N;
+    TRY(mc_block_ready(mc, &mc->dmem, &mc->dcap, ids_layout(mc, NULL, N, b->max_blocks)));
+    ids_layout(mc, mc->dmem, N, b->max_blocks);
+    const char *lo = (const char *)mc->dtables, *hi = (const char *)(mc->did.off1 + 2);
+    size_t n = (size_t)(hi - lo);
+    char *h = calloc(1, n);
+    if (!h)
+        return mo_errorf(MO_ENOMEM, "%s: %zu bytes of staging", fn, n);
+#define STAGED(p) ((int32_t *)(h + ((const char *)(p)-lo)))
+    memcpy(STAGED(mc->dtables), b->block_tables, sizeof(int32_t) * (size_t)N * b->max_blocks);
+    memcpy(STAGED(mc->did.tok), b->tokens, sizeof(int32_t) * (size_t)N);
+    memcpy(STAGED(mc->did.pos), b->pos, sizeof(int32_t) * (size_t)N);
+    int32_t *cu = STAGED(mc->did.cu), *off1 = STAGED(mc->did.off1);
+#undef STAGED
+    cu[0] = off1[0] = 0;
+    cu[1] = off1[1] = N; /* tgt stays 0: no logprobs are formed */
+    int rc = mc->be->copy(mc->be, mc->dtables, DEV_CUDA, h, DEV_CPU, n);
+    free(h);
+    return rc;
+}
+
+/* The layers and the final norm, queued with no host sync; then the logits chunk by
+ * chunk into host memory. */
+static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits, int ad,
+               const char *fn) {
+    const kernels_t *k = mc->be->k;
+    int N = b->N, D = mc->D, V = mc->V;
+    TRY(mc_scratch_ready(mc, N, 1));
+    TRY(upload_rows(mc, b, fn));
+    mc->replay = 0;
+    mc->id = &mc->did;
+    mc->cur_plan = &mc->plan;
+    mc_kv_t kv = {b->kv, b->NB, b->BS, mc->dtables, b->max_blocks};
+    mc->kv = kv;
+    mc->attend = attend_paged;
+    const mc_scratch_t *s = &mc->s;
+    k->embedding_forward(s->x, mc->did.tok, &mc->embed, N, D);
+    mc_acts_t a = mc_scoring_acts(s);
+    for (int l = 0; l < mc->L; l++) {
+        int rc = mc_layer_forward(mc, l, &a, N, 1, ad);
+        if (rc < 0)
+            return mo_error_wrap(rc, "layer %d", l);
+    }
+    k->rmsnorm_forward(s->hf, s->rstd, s->x, mc->final_norm, N, D, mc->m->eps);
+    int rows = mc_logits_rows(mc, N);
+    for (int r0 = 0; r0 < N; r0 += rows) {
+        int n = N - r0 < rows ? N - r0 : rows;
+        k->matmul_forward(s->logits, s->hf + (size_t)r0 * D, &mc->lm_head, NULL, n, D, V);
+        TRY(mc->be->copy(mc->be, logits + (size_t)r0 * V, DEV_CPU, s->logits, DEV_CUDA,
+                         sizeof(float) * (size_t)n * V));
+    }
+    return MO_OK;
+}
+
+int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
+                      int use_adapter) {
+    static const char fn[] = "model_cuda_decode";
+    if (!mc)
+        return mo_errorf(MO_EINVAL, "%s: no uploaded model", fn);
+    TRY(check_step(mc, b, logits, fn));
+    if (use_adapter != 0 && use_adapter != 1)
+        return mo_errorf(MO_EINVAL, "%s: use_adapter %d must be 0 or 1", fn, use_adapter);
+    if (use_adapter && mc->R == 0)
+        return mo_errorf(MO_EINVAL,
+                         "%s: use_adapter = 1 but the upload holds no adapter (bind "
+                         "one with model_set_adapter before model_cuda_upload)",
+                         fn);
+    if (b->N == 0)
+        return MO_OK;
+    int rc = run(mc, b, logits, use_adapter, fn);
+    mc->attend = NULL;
+    memset(&mc->kv, 0, sizeof mc->kv);
+    if (rc < 0)
+        return mc_fail(mc, rc, fn);
+    if (b->routing) {
+        model_batch_t rb;
+        memset(&rb, 0, sizeof rb);
+        rb.T = b->N;
+        rb.routing = b->routing;
+        TRY(mc_routing_out(mc, mc->did.route, &rb, fn));
+    }
+    return MO_OK;
+}
+
+#endif /* MOERL_HAVE_CUDA */
