@@ -40,39 +40,10 @@
 #define INIT_STD_F32 0.25f
 #define INIT_STD_BF16 0.15f
 
-/* A tiny model in dtype dt: Qwen3-MoE with 3 layers, the middle one dense, or Mixtral (2
- * MoE layers) with a sliding window of 4; logits in chunks of 5 rows; an "all-linear" rank-4
- * adapter with random A and B, bound. */
+/* fx_open_model with logits in chunks of 5 rows and a bound adapter with gradients. */
 static void fx_open_arch(fx_t *f, model_arch_t arch, dtype_t dt, uint64_t seed) {
-    memset(f, 0, sizeof *f);
-    CU_ASSERT_EQUAL_FATAL(tu_tmpdir(f->dir, sizeof f->dir), 0);
-    model_config_t c;
-    CU_ASSERT_EQUAL_FATAL(init_model_config(&c, arch, INIT_SIZE_TINY, dt), 0);
-    if (arch == ARCH_QWEN3_MOE) {
-        c.num_hidden_layers = 3;
-        c.max_window_layers = 3;
-        c.mlp_only_layers[1] = 1;
-    } else {
-        c.sliding_window = 4;
-    }
-    CU_ASSERT_EQUAL_FATAL(model_config_validate(&c, "gpu_model"), 0);
-    init_model_opts_t io = {seed, dt == DT_F32 ? INIT_STD_F32 : INIT_STD_BF16};
-    model_opts_t mo = {0, 5, 0.0f};
-    int rc = init_model_write(f->dir, &c, &io);
-    if (rc == 0)
-        rc = model_open(&f->m, f->dir, &mo);
-    if (rc < 0)
-        tu_report("fixture: %s", mo_last_error());
-    CU_ASSERT_EQUAL_FATAL(rc, 0);
-    CU_ASSERT_EQUAL_FATAL(f->m->layers[0].moe, 1);
-    CU_ASSERT_EQUAL_FATAL(f->m->layers[1].moe, arch == ARCH_QWEN3_MOE ? 0 : 1);
-    CU_ASSERT_EQUAL_FATAL(f->m->layers[0].window, arch == ARCH_QWEN3_MOE ? 0 : 4);
-    tu_randomise_norms(f->m, seed + 1);
-    const char *targets[1] = {"all-linear"};
-    lora_config_t lc = {4, 8.0f, 0, 0.0f, 11, 0, targets, 1};
-    TU_CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
-    tu_randomise_adapter(f->ad, seed + 2);
-    TU_CHECK_RC(model_set_adapter(f->m, f->ad));
+    fx_opts_t o = {INIT_STD_F32, INIT_STD_BF16, 5, 0.0f, 0};
+    fx_open_model(f, arch, dt, seed, &o);
 }
 
 static void fx_open(fx_t *f, dtype_t dt, uint64_t seed) {

@@ -4,10 +4,13 @@
 #define MOERL_TESTS_MODEL_GPU_FIXTURE_H
 
 #include <stdint.h>
+#include <string.h>
 
+#include "actor/init_model.h"
 #include "actor/model.h"
 #include "core/rng.h"
 #include "lora/adapter.h"
+#include "core/status.h"
 #include "tests/testutil.h"
 
 #define MAXT 96
@@ -23,6 +26,49 @@ typedef struct batch {
     int32_t tok[MAXT], pos[MAXT], tgt[MAXT], cu[16];
     float temperature;
 } batch_t;
+
+typedef struct fx_opts {
+    float std_f32, std_bf16; /* the matrices' initial std with f32 and with bf16 weights */
+    int chunk_rows;          /* model_opts_t.logits_chunk_rows */
+    float aux_coef;          /* model_opts_t.aux_coef */
+    int no_grads;            /* the adapter without gradient buffers */
+} fx_opts_t;
+
+/* A tiny model in dtype dt: Qwen3-MoE with 3 layers, the middle one dense, or Mixtral (2
+ * MoE layers) with a sliding window of 4; random norm weights; a rank-4 "all-linear"
+ * adapter with random A and B, bound. */
+static inline void fx_open_model(fx_t *f, model_arch_t arch, dtype_t dt, uint64_t seed,
+                                 const fx_opts_t *o) {
+    memset(f, 0, sizeof *f);
+    CU_ASSERT_EQUAL_FATAL(tu_tmpdir(f->dir, sizeof f->dir), 0);
+    model_config_t c;
+    CU_ASSERT_EQUAL_FATAL(init_model_config(&c, arch, INIT_SIZE_TINY, dt), 0);
+    if (arch == ARCH_QWEN3_MOE) {
+        c.num_hidden_layers = 3;
+        c.max_window_layers = 3;
+        c.mlp_only_layers[1] = 1;
+    } else {
+        c.sliding_window = 4;
+    }
+    CU_ASSERT_EQUAL_FATAL(model_config_validate(&c, "fixture"), 0);
+    init_model_opts_t io = {seed, dt == DT_F32 ? o->std_f32 : o->std_bf16};
+    model_opts_t mo = {0, o->chunk_rows, o->aux_coef};
+    int rc = init_model_write(f->dir, &c, &io);
+    if (rc == 0)
+        rc = model_open(&f->m, f->dir, &mo);
+    if (rc < 0)
+        tu_report("fixture: %s", mo_last_error());
+    CU_ASSERT_EQUAL_FATAL(rc, 0);
+    CU_ASSERT_EQUAL_FATAL(f->m->layers[0].moe, 1);
+    CU_ASSERT_EQUAL_FATAL(f->m->layers[1].moe, arch == ARCH_QWEN3_MOE ? 0 : 1);
+    CU_ASSERT_EQUAL_FATAL(f->m->layers[0].window, arch == ARCH_QWEN3_MOE ? 0 : 4);
+    tu_randomise_norms(f->m, seed + 1);
+    const char *targets[1] = {"all-linear"};
+    lora_config_t lc = {4, 8.0f, 0, 0.0f, 11, o->no_grads, targets, 1};
+    TU_CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
+    tu_randomise_adapter(f->ad, seed + 2);
+    TU_CHECK_RC(model_set_adapter(f->m, f->ad));
+}
 
 static inline void fx_close(fx_t *f) {
     model_destroy(&f->m);
