@@ -6,6 +6,7 @@
 #define MOERL_ACTOR_MODEL_CUDA_H
 
 #include "actor/model.h"
+#include "core/cuda/sampler.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -136,6 +137,21 @@ typedef struct model_cuda_decode {
  * first. */
 int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
                       int use_adapter);
+
+/* model_cuda_decode with the next tokens sampled on the device (core/cuda/sampler.h's
+ * cuda_sample), so no logits leave it: row i is drawn from its logits under req[i] (HOST,
+ * (N): its sampling parameters and draw coordinates), and only token (N), logp (N) and status
+ * (N), in HOST memory, come back, as cuda_sample defines them per row (MO_OK; MO_EINVAL for
+ * bad parameters or MO_EMALFORMED for bad logits, token -1 and logp NaN then: a bad row is
+ * not an error of the call). Tokens and log-probabilities are those of rollout/sampler.h's
+ * sampler_sample() on model_cuda_decode's logits, to cuda_sample's rounding. The step, its
+ * checks, the cache writes and routing are model_cuda_decode's; the logits are formed and
+ * sampled chunk by chunk (mc_logits_rows) on the device; req goes up with the ids and
+ * tables in one copy, and the results come back in one copy, from the same pool block.
+ * Device scratch: cuda_sample's for one chunk. */
+int model_cuda_decode_sample(model_cuda_t *mc, const model_cuda_decode_t *b,
+                             const cuda_sample_req_t *req, int32_t *token, float *logp,
+                             int32_t *status, int use_adapter);
 
 #ifdef __cplusplus
 }

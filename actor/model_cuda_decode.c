@@ -1,6 +1,6 @@
 /* model_cuda_decode: the rollout engine's decode step on the CUDA backend: one new token per
  * sequence through the scoring forward's layers, attending over a paged KV cache in device
- * memory. */
+ * memory; its logits copied out, or the next tokens sampled from them on the device. */
 #include "actor/model_cuda.h"
 
 #ifdef MOERL_HAVE_CUDA
@@ -12,6 +12,7 @@
 
 #include "core/backend.h"
 #include "core/cuda/attn_decode.h"
+#include "core/cuda/sampler.h"
 #include "core/status.h"
 
 /* The decode step's attention core: row i's new key and value stored at pos[i] of layer l,
@@ -50,17 +51,18 @@ static int check_writes(const model_cuda_decode_t *b, const char *fn) {
     return rc;
 }
 
-static int check_step(const model_cuda_t *mc, const model_cuda_decode_t *b, const float *logits,
-                      const char *fn) {
+/* out: whether the step's outputs (named by outs) are all given. */
+static int check_step(const model_cuda_t *mc, const model_cuda_decode_t *b, int out,
+                      const char *outs, const char *fn) {
     if (!b || b->N < 0)
         return mo_errorf(MO_EINVAL, "%s: a step needs N >= 0 rows", fn);
     if (b->N == 0)
         return MO_OK;
-    if (!b->tokens || !b->pos || !b->block_tables || !b->kv || !logits)
+    if (!b->tokens || !b->pos || !b->block_tables || !b->kv || !out)
         return mo_errorf(MO_EINVAL,
                          "%s: a step needs tokens, pos, block_tables, the device cache "
-                         "kv and a logits output",
-                         fn);
+                         "kv and %s",
+                         fn, outs);
     if (b->NB < 1 || b->BS < 1 || b->max_blocks < 1 ||
         (int64_t)b->max_blocks * b->BS > (int64_t)1 << 30)
         return mo_errorf(MO_EINVAL,
@@ -88,25 +90,40 @@ static int check_step(const model_cuda_t *mc, const model_cuda_decode_t *b, cons
     return check_writes(b, fn);
 }
 
-/* The step's ids and tables in the decode block (tables first, then mc_ids_layout's ids up
- * to off1): one host-to-device copy. Returns the bytes the block needs (base NULL: only
- * measures). */
-static size_t ids_layout(model_cuda_t *mc, char *base, int N, int max_blocks) {
+/* The step's inputs in the decode block (when sampling the draws, then the tables, then
+ * mc_ids_layout's ids up to off1: one host-to-device copy), then, when sampling, the
+ * results (token, status, logp: one device-to-host copy). Returns the bytes the block
+ * needs (base NULL: only measures). */
+static size_t ids_layout(model_cuda_t *mc, char *base, int N, int max_blocks, int sample) {
     mc_bump_t bp = {base, 0};
+    mc->dreq = NULL;
+    if (sample)
+        MC_BUMP(mc->dreq, &bp, N);
     MC_BUMP(mc->dtables, &bp, (size_t)N * max_blocks);
     mc_ids_layout(mc, &bp, &mc->did, N, 1);
+    mc->dtok = mc->dstatus = NULL;
+    mc->dlogp = NULL;
+    if (sample) {
+        MC_BUMP(mc->dtok, &bp, N);
+        MC_BUMP(mc->dstatus, &bp, N);
+        MC_BUMP(mc->dlogp, &bp, N);
+    }
     return bp.off;
 }
 
-static int upload_rows(model_cuda_t *mc, const model_cuda_decode_t *b, const char *fn) {
-    int N = b->N;
-    TRY(mc_block_ready(mc, &mc->dmem, &mc->dcap, ids_layout(mc, NULL, N, b->max_blocks)));
-    ids_layout(mc, mc->dmem, N, b->max_blocks);
-    const char *lo = (const char *)mc->dtables, *hi = (const char *)(mc->did.off1 + 2);
+static int upload_rows(model_cuda_t *mc, const model_cuda_decode_t *b, const cuda_sample_req_t *req,
+                       const char *fn) {
+    int N = b->N, sample = req != NULL;
+    TRY(mc_block_ready(mc, &mc->dmem, &mc->dcap, ids_layout(mc, NULL, N, b->max_blocks, sample)));
+    ids_layout(mc, mc->dmem, N, b->max_blocks, sample);
+    char *lo = sample ? (char *)mc->dreq : (char *)mc->dtables;
+    const char *hi = (const char *)(mc->did.off1 + 2);
     size_t n = (size_t)(hi - lo);
     char *h = calloc(1, n);
     if (!h)
         return mo_errorf(MO_ENOMEM, "%s: %zu bytes of staging", fn, n);
+    if (sample)
+        memcpy(h, req, sizeof *req * (size_t)N);
 #define STAGED(p) ((int32_t *)(h + ((const char *)(p)-lo)))
     memcpy(STAGED(mc->dtables), b->block_tables, sizeof(int32_t) * (size_t)N * b->max_blocks);
     memcpy(STAGED(mc->did.tok), b->tokens, sizeof(int32_t) * (size_t)N);
@@ -115,19 +132,37 @@ static int upload_rows(model_cuda_t *mc, const model_cuda_decode_t *b, const cha
 #undef STAGED
     cu[0] = off1[0] = 0;
     cu[1] = off1[1] = N; /* tgt stays 0: no logprobs are formed */
-    int rc = mc->be->copy(mc->be, mc->dtables, DEV_CUDA, h, DEV_CPU, n);
+    int rc = mc->be->copy(mc->be, lo, DEV_CUDA, h, DEV_CPU, n);
+    free(h);
+    return rc;
+}
+
+/* The sampled rows (token, status, logp in the decode block) into host memory: one copy. */
+static int download_samples(model_cuda_t *mc, int N, int32_t *token, float *logp, int32_t *status,
+                            const char *fn) {
+    const char *lo = (const char *)mc->dtok, *hi = (const char *)(mc->dlogp + N);
+    size_t n = (size_t)(hi - lo);
+    char *h = malloc(n);
+    if (!h)
+        return mo_errorf(MO_ENOMEM, "%s: %zu bytes of staging", fn, n);
+    int rc = mc->be->copy(mc->be, h, DEV_CPU, mc->dtok, DEV_CUDA, n);
+    if (rc == MO_OK) {
+        memcpy(token, h, sizeof *token * (size_t)N);
+        memcpy(status, h + ((const char *)mc->dstatus - lo), sizeof *status * (size_t)N);
+        memcpy(logp, h + ((const char *)mc->dlogp - lo), sizeof *logp * (size_t)N);
+    }
     free(h);
     return rc;
 }
 
 /* The layers and the final norm, queued with no host sync; then the logits chunk by
- * chunk into host memory. */
-static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits, int ad,
-               const char *fn) {
+ * chunk, each copied into host memory (logits) or sampled on the device (req). */
+static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
+               const cuda_sample_req_t *req, int ad, const char *fn) {
     const kernels_t *k = mc->be->k;
     int N = b->N, D = mc->D, V = mc->V;
     TRY(mc_scratch_ready(mc, N, 1));
-    TRY(upload_rows(mc, b, fn));
+    TRY(upload_rows(mc, b, req, fn));
     mc->replay = 0;
     mc->id = &mc->did;
     mc->cur_plan = &mc->plan;
@@ -147,18 +182,28 @@ static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits, in
     for (int r0 = 0; r0 < N; r0 += rows) {
         int n = N - r0 < rows ? N - r0 : rows;
         k->matmul_forward(s->logits, s->hf + (size_t)r0 * D, &mc->lm_head, NULL, n, D, V);
-        TRY(mc->be->copy(mc->be, logits + (size_t)r0 * V, DEV_CPU, s->logits, DEV_CUDA,
-                         sizeof(float) * (size_t)n * V));
+        if (logits)
+            TRY(mc->be->copy(mc->be, logits + (size_t)r0 * V, DEV_CPU, s->logits, DEV_CUDA,
+                             sizeof(float) * (size_t)n * V));
+        else
+            TRY(cuda_sample(mc->dtok + r0, mc->dlogp + r0, mc->dstatus + r0, NULL, s->logits,
+                            mc->dreq + r0, n, V));
     }
     return MO_OK;
 }
 
-int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
-                      int use_adapter) {
-    static const char fn[] = "model_cuda_decode";
+/* The step with its logits copied out (sample 0: logits) or sampled (sample 1: req and
+ * its outputs). */
+static int decode_step(model_cuda_t *mc, const model_cuda_decode_t *b, int sample, float *logits,
+                       const cuda_sample_req_t *req, int32_t *token, float *logp, int32_t *status,
+                       int use_adapter, const char *fn) {
     if (!mc)
         return mo_errorf(MO_EINVAL, "%s: no uploaded model", fn);
-    TRY(check_step(mc, b, logits, fn));
+    if (!sample)
+        TRY(check_step(mc, b, logits != NULL, "a logits output", fn));
+    else
+        TRY(check_step(mc, b, req && token && logp && status,
+                       "the draws req and token, logp and status outputs", fn));
     if (use_adapter != 0 && use_adapter != 1)
         return mo_errorf(MO_EINVAL, "%s: use_adapter %d must be 0 or 1", fn, use_adapter);
     if (use_adapter && mc->R == 0)
@@ -168,9 +213,11 @@ int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *log
                          fn);
     if (b->N == 0)
         return MO_OK;
-    int rc = run(mc, b, logits, use_adapter, fn);
+    int rc = run(mc, b, sample ? NULL : logits, sample ? req : NULL, use_adapter, fn);
     mc->attend = NULL;
     memset(&mc->kv, 0, sizeof mc->kv);
+    if (rc == MO_OK && sample)
+        rc = download_samples(mc, b->N, token, logp, status, fn);
     if (rc < 0)
         return mc_fail(mc, rc, fn);
     if (b->routing) {
@@ -181,6 +228,18 @@ int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *log
         TRY(mc_routing_out(mc, mc->did.route, &rb, fn));
     }
     return MO_OK;
+}
+
+int model_cuda_decode(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
+                      int use_adapter) {
+    return decode_step(mc, b, 0, logits, NULL, NULL, NULL, NULL, use_adapter, "model_cuda_decode");
+}
+
+int model_cuda_decode_sample(model_cuda_t *mc, const model_cuda_decode_t *b,
+                             const cuda_sample_req_t *req, int32_t *token, float *logp,
+                             int32_t *status, int use_adapter) {
+    return decode_step(mc, b, 1, NULL, req, token, logp, status, use_adapter,
+                       "model_cuda_decode_sample");
 }
 
 #endif /* MOERL_HAVE_CUDA */

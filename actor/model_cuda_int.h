@@ -138,10 +138,14 @@ struct model_cuda {
      * (mc->id->cu); the decode step sets its own over kv while it runs. */
     mc_attend_fn attend;
     mc_kv_t kv;
-    /* The decode step's ids (mc_ids_layout for its rows) and block tables, in their own
-     * pool block kept between calls; its activations use the scoring scratch. */
+    /* The decode step's ids (mc_ids_layout for its rows) and block tables, and when it
+     * samples its draws and results, in their own pool block kept between calls; its
+     * activations use the scoring scratch. */
     mc_ids_t did;
-    int32_t *dtables; /* (N, max_blocks) */
+    int32_t *dtables;        /* (N, max_blocks) */
+    cuda_sample_req_t *dreq; /* (N) the rows' draws, when sampling */
+    int32_t *dtok, *dstatus; /* (N) sampled tokens and statuses */
+    float *dlogp;            /* (N) their log-probabilities */
     void *dmem;
     size_t dcap;
 };

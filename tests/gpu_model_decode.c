@@ -9,7 +9,12 @@
  * logits, and each new key and value the step stored in every layer; the rest of the cache
  * must be bitwise unchanged. Also: the routing output (f32: equal to the CPU's), a repeated
  * step gives the same bits and makes no new device allocations, and bad steps are refused
- * on the host.
+ * on the host. The sampling step (model_cuda_decode_sample, f32 Qwen3-MoE with the adapter)
+ * against the CPU sampler (rollout/sampler.h) on the CPU step's logits, greedy and at
+ * temperature 1 with top-k and top-p off and on: the tokens equal, the log-probabilities
+ * within 1e-5 * max(|logp|, 1) plus twice the row's largest logit difference; and against
+ * the CPU sampler on the device step's own logits within 1e-5 * max(|logp|, 1); bad
+ * parameters give that row's status.
  * Exits 77 (skipped) without CUDA support in the build or without a device. */
 #include <stdio.h>
 
@@ -30,6 +35,7 @@
 #include "core/status.h"
 #include "rollout/decode.h"
 #include "rollout/kv_cache.h"
+#include "rollout/sampler.h"
 #include "tests/model_gpu_fixture.h"
 #include "tests/testutil.h"
 
@@ -48,38 +54,10 @@
 
 static const int g_prompt[NSEQ - 1] = {6, 1, 11};
 
-/* A tiny model in dtype dt: Qwen3-MoE with 3 layers, the middle one dense, or Mixtral (2
- * MoE layers) with a sliding window of 4; logits in chunks of 3 rows (two chunks for 4
- * rows); a rank-4 "all-linear" adapter with random A and B, bound. */
+/* fx_open_model with logits in chunks of 3 rows (two chunks for 4 rows). */
 static void fx_open(fx_t *f, model_arch_t arch, dtype_t dt, uint64_t seed) {
-    memset(f, 0, sizeof *f);
-    CU_ASSERT_EQUAL_FATAL(tu_tmpdir(f->dir, sizeof f->dir), 0);
-    model_config_t c;
-    CU_ASSERT_EQUAL_FATAL(init_model_config(&c, arch, INIT_SIZE_TINY, dt), 0);
-    if (arch == ARCH_QWEN3_MOE) {
-        c.num_hidden_layers = 3;
-        c.max_window_layers = 3;
-        c.mlp_only_layers[1] = 1;
-    } else {
-        c.sliding_window = 4;
-    }
-    CU_ASSERT_EQUAL_FATAL(model_config_validate(&c, "gpu_model_decode"), 0);
-    init_model_opts_t io = {seed, dt == DT_F32 ? INIT_STD_F32 : INIT_STD_BF16};
-    model_opts_t mo = {0, 3, 0.0f};
-    int rc = init_model_write(f->dir, &c, &io);
-    if (rc == 0)
-        rc = model_open(&f->m, f->dir, &mo);
-    if (rc < 0)
-        tu_report("fixture: %s", mo_last_error());
-    CU_ASSERT_EQUAL_FATAL(rc, 0);
-    CU_ASSERT_EQUAL_FATAL(f->m->layers[1].moe, arch == ARCH_QWEN3_MOE ? 0 : 1);
-    CU_ASSERT_EQUAL_FATAL(f->m->layers[0].window, arch == ARCH_QWEN3_MOE ? 0 : 4);
-    tu_randomise_norms(f->m, seed + 1);
-    const char *targets[1] = {"all-linear"};
-    lora_config_t lc = {4, 8.0f, 0, 0.0f, 11, 0, targets, 1};
-    TU_CHECK_RC(lora_adapter_new(&f->ad, &lc, f->m->modules, f->m->n_modules));
-    tu_randomise_adapter(f->ad, seed + 2);
-    TU_CHECK_RC(model_set_adapter(f->m, f->ad));
+    fx_opts_t o = {INIT_STD_F32, INIT_STD_BF16, 3, 0.0f, 0};
+    fx_open_model(f, arch, dt, seed, &o);
 }
 
 static int32_t tok_of(const model_t *m, uint64_t seed, uint64_t i) {
@@ -348,9 +326,163 @@ static void test_bad_step(void) {
     fx_close(&f);
 }
 
+/* The sampling parameters of the sampling step: greedy, then temperature 1 with top-k and
+ * top-p off and on. */
+#define NSP 5
+static const sampling_params_t g_sp[NSP] = {
+    {0.0f, 1.0f, 0, 0.0f}, {1.0f, 1.0f, 0, 0.0f}, {1.0f, 1.0f, 5, 0.0f},
+    {1.0f, 0.8f, 0, 0.0f}, {1.0f, 0.8f, 5, 0.0f},
+};
+
+/* Row s of a step under parameters p: seed 77, request s, sample 0, token pos. */
+static cuda_sample_req_t req_of(const sampling_params_t *p, int s, int32_t pos) {
+    cuda_sample_req_t r;
+    memset(&r, 0, sizeof r);
+    r.temperature = p->temperature, r.top_p = p->top_p, r.top_k = p->top_k, r.min_p = p->min_p;
+    r.seed = 77, r.request_id = (uint64_t)s, r.token_index = (uint64_t)pos;
+    return r;
+}
+
+static float max_abs_diff(const float *a, const float *b, int n) {
+    float d = 0.0f;
+    for (int j = 0; j < n; j++)
+        d = fabsf(a[j] - b[j]) > d ? fabsf(a[j] - b[j]) : d;
+    return d;
+}
+
+typedef struct drawn {
+    int32_t tok[NSEQ], st[NSEQ];
+    float lp[NSEQ];
+} drawn_t;
+
+/* model_cuda_decode_sample on b under req, outputs poisoned first. */
+static void sample_step(model_cuda_t *mc, const model_cuda_decode_t *b,
+                        const cuda_sample_req_t *req, drawn_t *d) {
+    for (int s = 0; s < NSEQ; s++)
+        d->tok[s] = -2, d->st[s] = 12345, d->lp[s] = NAN;
+    TU_CHECK_RC(model_cuda_decode_sample(mc, b, req, d->tok, d->lp, d->st, 1));
+}
+
+/* Each row of d against the CPU sampler on the CPU's logits lc and the device's lg. */
+static int check_drawn(sampler_t *sm, const drawn_t *d, const cuda_sample_req_t *req,
+                       const float *lg, const float *lc, int V, double *worst) {
+    int off_argmax = 0;
+    for (int s = 0; s < NSEQ; s++) {
+        const cuda_sample_req_t *r = &req[s];
+        sampling_params_t p = {r->temperature, r->top_p, r->top_k, r->min_p};
+        double u = sampler_uniform(r->seed, r->request_id, r->sample_index, r->token_index);
+        const float *rg = lg + (size_t)s * V, *rc = lc + (size_t)s * V;
+        int32_t tc, tg;
+        float pc, pg;
+        TU_CHECK_RC(sampler_sample(sm, rc, &p, u, &tc, &pc));
+        TU_CHECK_RC(sampler_sample(sm, rg, &p, u, &tg, &pg));
+        CU_ASSERT_EQUAL(d->st[s], MO_OK);
+        CU_ASSERT_EQUAL(d->tok[s], tc);
+        CU_ASSERT_EQUAL(d->tok[s], tg);
+        double ec = fabs((double)d->lp[s] - pc) / fmax(fabs(pc), 1.0);
+        double eg = fabs((double)d->lp[s] - pg) / fmax(fabs(pg), 1.0);
+        CU_ASSERT(ec <= 1e-5 + 2.0 * max_abs_diff(rg, rc, V));
+        CU_ASSERT(eg <= 1e-5);
+        *worst = fmax(*worst, fmax(ec, eg));
+        int32_t am = 0;
+        for (int j = 1; j < V; j++)
+            am = rc[j] > rc[am] ? j : am;
+        off_argmax += d->tok[s] != am;
+    }
+    return off_argmax;
+}
+
+/* Two decode steps from the same prefill as check_decode, each sampled on the device under
+ * every parameter set and a mix of them (row s under set (s + step) % NSP) after a plain
+ * step gave the device's logits (the sampling steps store the same keys and values again). */
+static void test_sample(void) {
+    fx_t f;
+    fx_open(&f, ARCH_QWEN3_MOE, DT_F32, 7);
+    const model_t *m = f.m;
+    int V = m->V;
+    model_cuda_t *mc = NULL;
+    TU_CHECK_RC(model_cuda_upload(&mc, f.m));
+    cpu_t p;
+    cpu_open(&p, m, 41);
+    for (int s = 0; s < NSEQ; s++)
+        TU_CHECK_RC(kv_seq_grow(&p.c, &p.seq[s], p.len[s] + STEPS, &p.budget));
+    size_t nc = cache_floats(&p.c);
+    float *dkv = dput(p.c.mem, sizeof(float) * nc);
+    float *lg = malloc(sizeof(float) * NSEQ * V), *lc = malloc(sizeof(float) * NSEQ * V);
+    sampler_t sm;
+    TU_CHECK_RC(sampler_init(&sm, V));
+    int off_argmax = 0, greedy_off = 0;
+    double worst = 0.0;
+    for (int step = 0; step < STEPS; step++) {
+        int32_t tok[NSEQ], pos[NSEQ], tables[NSEQ * MAXB];
+        for (int s = 0; s < NSEQ; s++) {
+            tok[s] = tok_of(m, 200 + (uint64_t)step, (uint64_t)s);
+            pos[s] = p.len[s]++;
+        }
+        tables_of(&p, tables);
+        model_cuda_decode_t b = {NSEQ, tok, pos, tables, MAXB, dkv, p.c.n_blocks, BS, NULL};
+        TU_CHECK_RC(model_cuda_decode(mc, &b, lg, 1));
+        cpu_step(&p, m, tok, pos, lc, NULL);
+        cuda_sample_req_t req[NSEQ];
+        drawn_t d, again;
+        for (int k = 0; k <= NSP; k++) {
+            for (int s = 0; s < NSEQ; s++)
+                req[s] = req_of(&g_sp[k < NSP ? k : (s + step) % NSP], s, pos[s]);
+            sample_step(mc, &b, req, &d);
+            int off = check_drawn(&sm, &d, req, lg, lc, V, &worst);
+            if (k == 0)
+                greedy_off += off;
+            else if (k < NSP)
+                off_argmax += off;
+        }
+        /* The mixed step again: the same bits, no new device allocation. */
+        cuda_pool_stats_t ps0, ps1;
+        backend_cuda_pool_stats(&ps0);
+        sample_step(mc, &b, req, &again);
+        backend_cuda_pool_stats(&ps1);
+        CU_ASSERT_EQUAL(ps1.device_allocs, ps0.device_allocs);
+        CU_ASSERT_EQUAL(memcmp(&again, &d, sizeof d), 0);
+        /* Bad parameters on one row: its status, token -1 and logp NaN; the others drawn
+         * as before. */
+        req[2].top_p = 0.0f;
+        sample_step(mc, &b, req, &again);
+        for (int s = 0; s < NSEQ; s++) {
+            CU_ASSERT_EQUAL(again.st[s], s == 2 ? MO_EINVAL : MO_OK);
+            CU_ASSERT_EQUAL(again.tok[s], s == 2 ? -1 : d.tok[s]);
+            CU_ASSERT(s == 2 ? isnan(again.lp[s]) : again.lp[s] == d.lp[s]);
+        }
+        float *got = dget_f(dkv, nc);
+        check_cache(&p, got, pos, TOL_F32);
+        free(got);
+        printf("  step %d: tokens %d %d %d %d (mixed parameters)\n", step, d.tok[0], d.tok[1],
+               d.tok[2], d.tok[3]);
+        if (step == 0) {
+            model_cuda_decode_t none = b;
+            none.kv = NULL;
+            CU_ASSERT_EQUAL(model_cuda_decode_sample(mc, &b, NULL, d.tok, d.lp, d.st, 1),
+                            MO_EINVAL);
+            CU_ASSERT(strstr(mo_last_error(), "the draws req") != NULL);
+            CU_ASSERT_EQUAL(model_cuda_decode_sample(mc, &none, req, d.tok, d.lp, d.st, 1),
+                            MO_EINVAL);
+        }
+    }
+    /* Greedy takes the argmax; temperature 1 draws other tokens too. */
+    printf("  worst logp error %.2e, %d of %d drawn tokens not the argmax\n", worst, off_argmax,
+           STEPS * (NSP - 1) * NSEQ);
+    CU_ASSERT_EQUAL(greedy_off, 0);
+    CU_ASSERT(off_argmax > 0);
+    sampler_free(&sm);
+    dfree(dkv);
+    free(lg);
+    free(lc);
+    cpu_close(&p);
+    model_cuda_free(&mc);
+    fx_close(&f);
+}
+
 static CU_TestInfo g_tests[] = {
-    {"f32", test_f32},           {"bf16", test_bf16}, {"mixtral_window", test_mixtral_window},
-    {"bad_step", test_bad_step}, CU_TEST_INFO_NULL,
+    {"f32", test_f32},           {"bf16", test_bf16},     {"mixtral_window", test_mixtral_window},
+    {"bad_step", test_bad_step}, {"sample", test_sample}, CU_TEST_INFO_NULL,
 };
 
 int main(void) {

@@ -1,6 +1,7 @@
-/* host_decode: the host twin of core/cuda/attn_decode.h, so that the decode step of the CUDA
- * model path (actor/model_cuda_decode.c, suite gpu_model_decode.c) also runs on a machine
- * without a GPU, next to the other twins (host_cuda.c).
+/* host_decode: the host twins of core/cuda/attn_decode.h and core/cuda/sampler.h, so that
+ * the decode step of the CUDA model path (actor/model_cuda_decode.c, suite
+ * gpu_model_decode.c) also runs on a machine without a GPU, next to the other twins
+ * (host_cuda.c).
  *
  * The "device" cache is host memory in the same layout, so the twin views it as a
  * kv_cache_t and each row's block table as a kv_seq_t, and runs the CPU engine's
@@ -8,16 +9,23 @@
  * time: a row's result does not depend on the other rows. Rows the device would skip (a
  * position outside the table, a block outside the cache) get NaN outputs and touch no
  * cache memory, as on the device. The device kernel itself is checked against the CPU by
- * gpu_attn_decode.c on a GPU. */
+ * gpu_attn_decode.c on a GPU.
+ *
+ * The sampler's twin draws each row with the CPU sampler (rollout/sampler.h) under the row's
+ * parameters and the uniform sampler_uniform() gives for its coordinates, writing the
+ * statuses, tokens and log-probabilities as the device does; the device sampler is checked
+ * against the CPU one by gpu_sampler.c on a GPU. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/cuda/attn_decode.h"
+#include "core/cuda/sampler.h"
 #include "core/status.h"
 #include "rollout/attn_decode.h"
 #include "rollout/kv_cache.h"
+#include "rollout/sampler.h"
 
 /* 1 when row i's position and the blocks up to it are inside its table and the cache. */
 static int row_ok(const int32_t *tab, int p, int max_blocks, int BS, int NB) {
@@ -80,5 +88,39 @@ int cuda_attn_decode(float *out, const float *q, const float *k_new, const float
             attn_decode_forward(o, q + (size_t)i * qd, &c, l, &sp, &pos[i], 1, H, scale, window);
     }
     free(c.ref);
+    return MO_OK;
+}
+
+int cuda_sample(int32_t *token, float *logp, int32_t *status, double *u, const float *logits,
+                const cuda_sample_req_t *req, int B, int V) {
+    if (B < 0 || V < 1)
+        return mo_errorf(MO_EINVAL, "cuda_sample (host twin): bad shape B=%d V=%d", B, V);
+    if (B == 0)
+        return MO_OK;
+    if (!token || !logp || !status || !logits || !req)
+        return mo_errorf(MO_EINVAL,
+                         "cuda_sample (host twin): token, logp, status, logits and req must be "
+                         "given");
+    sampler_t s;
+    if (sampler_init(&s, V) < 0)
+        return mo_errorf(MO_EDEVICE, "cuda_sample (host twin): scratch for V=%d", V);
+    for (int b = 0; b < B; b++) {
+        const cuda_sample_req_t *r = &req[b];
+        sampling_params_t p = {r->temperature, r->top_p, r->top_k, r->min_p};
+        double ub = sampler_uniform(r->seed, r->request_id, r->sample_index, r->token_index);
+        int32_t tok = -1;
+        float lp = NAN;
+        int rc = sampler_sample(&s, logits + (size_t)b * V, &p, ub, &tok, &lp);
+        if (rc < 0) {
+            tok = -1;
+            lp = NAN;
+        }
+        token[b] = tok;
+        logp[b] = lp;
+        status[b] = rc < 0 ? rc : MO_OK;
+        if (u)
+            u[b] = ub;
+    }
+    sampler_free(&s);
     return MO_OK;
 }
