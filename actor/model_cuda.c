@@ -821,12 +821,7 @@ int mc_routing_out(model_cuda_t *mc, const int32_t *route, const model_batch_t *
     return rc < 0 ? mc_fail(mc, rc, fn) : MO_OK;
 }
 
-int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
-                        int use_adapter) {
-    static const char fn[] = "model_cuda_logprobs";
-    if (!mc)
-        return mo_errorf(MO_EINVAL, "%s: no uploaded model", fn);
-    TRY(mc_check_batch(mc, b, logp, fn));
+int mc_check_use_adapter(const model_cuda_t *mc, int use_adapter, const char *fn) {
     if (use_adapter != 0 && use_adapter != 1)
         return mo_errorf(MO_EINVAL, "%s: use_adapter %d must be 0 or 1", fn, use_adapter);
     if (use_adapter && mc->R == 0)
@@ -834,24 +829,40 @@ int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, f
                          "%s: use_adapter = 1 but the upload holds no adapter (bind "
                          "one with model_set_adapter before model_cuda_upload)",
                          fn);
+    return MO_OK;
+}
+
+int mc_results_out(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
+                   const int32_t *route, const char *fn) {
+    const backend_t *be = mc->be;
+    size_t bytes = sizeof(float) * (size_t)b->T;
+    int rc = be->copy(be, logp, DEV_CPU, mc->s.logp, DEV_CUDA, bytes);
+    if (rc == MO_OK && entropy)
+        rc = be->copy(be, entropy, DEV_CPU, mc->s.ent, DEV_CUDA, bytes);
+    if (rc < 0)
+        return mc_fail(mc, rc, fn);
+    if (b->routing)
+        TRY(mc_routing_out(mc, route, b, fn));
+    for (int t = 0; t < b->T; t++)
+        if (b->targets[t] < 0)
+            logp[t] = 0.0f;
+    return MO_OK;
+}
+
+int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
+                        int use_adapter) {
+    static const char fn[] = "model_cuda_logprobs";
+    if (!mc)
+        return mo_errorf(MO_EINVAL, "%s: no uploaded model", fn);
+    TRY(mc_check_batch(mc, b, logp, fn));
+    TRY(mc_check_use_adapter(mc, use_adapter, fn));
     int T = b->T;
     if (T == 0)
         return MO_OK;
     int rc = run(mc, b, use_adapter);
     if (rc < 0)
         return mc_fail(mc, rc, fn);
-    const backend_t *be = mc->be;
-    rc = be->copy(be, logp, DEV_CPU, mc->s.logp, DEV_CUDA, sizeof(float) * (size_t)T);
-    if (rc == MO_OK && entropy)
-        rc = be->copy(be, entropy, DEV_CPU, mc->s.ent, DEV_CUDA, sizeof(float) * (size_t)T);
-    if (rc < 0)
-        return mc_fail(mc, rc, fn);
-    if (b->routing)
-        TRY(mc_routing_out(mc, mc->s.id.route, b, fn));
-    for (int t = 0; t < T; t++)
-        if (b->targets[t] < 0)
-            logp[t] = 0.0f;
-    return MO_OK;
+    return mc_results_out(mc, b, logp, entropy, mc->s.id.route, fn);
 }
 
 #endif /* MOERL_HAVE_CUDA */

@@ -204,13 +204,7 @@ static int decode_step(model_cuda_t *mc, const model_cuda_decode_t *b, int sampl
     else
         TRY(check_step(mc, b, req && token && logp && status,
                        "the draws req and token, logp and status outputs", fn));
-    if (use_adapter != 0 && use_adapter != 1)
-        return mo_errorf(MO_EINVAL, "%s: use_adapter %d must be 0 or 1", fn, use_adapter);
-    if (use_adapter && mc->R == 0)
-        return mo_errorf(MO_EINVAL,
-                         "%s: use_adapter = 1 but the upload holds no adapter (bind "
-                         "one with model_set_adapter before model_cuda_upload)",
-                         fn);
+    TRY(mc_check_use_adapter(mc, use_adapter, fn));
     if (b->N == 0)
         return MO_OK;
     int rc = run(mc, b, sample ? NULL : logits, sample ? req : NULL, use_adapter, fn);

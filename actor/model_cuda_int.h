@@ -190,6 +190,12 @@ void mc_head_forward(const model_cuda_t *mc, float *hf, float *rstd, float *lse,
                      float *ent, const float *x, int T, float temperature);
 /* b->routing (T, M, K) from route (M, T, K) on the device. */
 int mc_routing_out(model_cuda_t *mc, const int32_t *route, const model_batch_t *b, const char *fn);
+/* MO_EINVAL unless use_adapter is 0, or 1 with an adapter in the upload. */
+int mc_check_use_adapter(const model_cuda_t *mc, int use_adapter, const char *fn);
+/* A forward's results to the host: logp and entropy (or NULL) from mc->s (T), 0 where the
+ * target is -1, and the routing (b->routing) from route. */
+int mc_results_out(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
+                   const int32_t *route, const char *fn);
 /* Drains the stream after a failure, keeping its message under fn. */
 int mc_fail(model_cuda_t *mc, int rc, const char *fn);
 /* Frees the training step's state (model_cuda_train.c); safe when there is none. */

@@ -261,17 +261,7 @@ int model_cuda_forward_train(model_cuda_t *mc, const model_batch_t *b, float *lo
         int rc = forward_train(mc, b);
         if (rc < 0)
             return mc_fail(mc, rc, fn);
-        const backend_t *be = mc->be;
-        rc = be->copy(be, logp, DEV_CPU, mc->s.logp, DEV_CUDA, sizeof(float) * (size_t)T);
-        if (rc == MO_OK && entropy)
-            rc = be->copy(be, entropy, DEV_CPU, mc->s.ent, DEV_CUDA, sizeof(float) * (size_t)T);
-        if (rc < 0)
-            return mc_fail(mc, rc, fn);
-        if (b->routing)
-            TRY(mc_routing_out(mc, tr->id.route, b, fn));
-        for (int t = 0; t < T; t++)
-            if (b->targets[t] < 0)
-                logp[t] = 0.0f;
+        TRY(mc_results_out(mc, b, logp, entropy, tr->id.route, fn));
     }
     for (int t = 0; t < T; t++)
         tr->has_tgt[t] = b->targets[t] >= 0;
