@@ -6,8 +6,10 @@
  * table printed last gives each kernel's rate against its ceiling. The
  * mixture-of-experts rows (core/cuda/moe_cuda.h) run a Qwen3-30B-A3B-like
  * expert layer (D 2048, F 768, E 128, K 8, T 4096 tokens on uniform random
- * routing) and also give tokens per second. Last, the policy model's LoRA training step
- * (actor/model_cuda.h) on a 4-layer Qwen3-MoE, in tokens per second and MFU.
+ * routing) and also give tokens per second. Last, the policy model (actor/model_cuda.h)
+ * on a 4-layer Qwen3-MoE: its LoRA training step in tokens per second and MFU, and decode
+ * steps with device sampling at batch 1 and 64 in tokens per second and the bytes they
+ * must read against the copy bandwidth.
  * Exits 77 (skipped) without CUDA support or without a device. */
 #include <stdio.h>
 
@@ -594,20 +596,28 @@ static double step_ms(step_ctx_t *s) {
     return 0.5 * (t[(REPS - 1) / 2] + t[REPS / 2]);
 }
 
-/* A 4-layer Qwen3-MoE with layers shaped like Qwen3-30B-A3B's but 64 experts (D 2048,
- * H 32, Hkv 4, Dh 128, E 64, K 8, F 768), bf16 weights, the byte-level vocabulary; rank-16
- * LoRA on every linear module; 4 sequences of 1024 tokens. The row's rate is the model's
- * FLOPs (bench/step_flops.h) per second against the measured cuBLAS bf16 peak (the MFU). */
-static void bench_train_step(void) {
-    enum { L = 4, SEQ = 1024, NSEQ = 4, T = SEQ * NSEQ };
-    char dir[] = "/tmp/moerl-gpu-bench-XXXXXX";
-    if (!mkdtemp(dir))
+/* The benchmark's model: a 4-layer Qwen3-MoE with layers shaped like Qwen3-30B-A3B's but
+ * 64 experts (D 2048, H 32, Hkv 4, Dh 128, E 64, K 8, F 768), bf16 weights, the byte-level
+ * vocabulary, rank-16 LoRA on every linear module (B random too, so every path computes),
+ * written to dir and uploaded. */
+typedef struct {
+    char dir[32];
+    model_t *m;
+    lora_adapter_t *ad;
+    model_cuda_t *mc;
+} bench_model_t;
+
+#define BENCH_SEQ 1024
+
+static void bench_model_open(bench_model_t *bm) {
+    snprintf(bm->dir, sizeof bm->dir, "%s", "/tmp/moerl-gpu-bench-XXXXXX");
+    if (!mkdtemp(bm->dir))
         die("mkdtemp");
     model_config_t c;
     if (init_model_config(&c, ARCH_QWEN3_MOE, INIT_SIZE_SMALL, DT_BF16) < 0)
         die("model config");
-    c.num_hidden_layers = L;
-    c.max_window_layers = L;
+    c.num_hidden_layers = 4;
+    c.max_window_layers = 4;
     c.hidden_size = 2048;
     c.num_attention_heads = 32;
     c.num_key_value_heads = 4;
@@ -616,20 +626,42 @@ static void bench_train_step(void) {
     c.num_experts_per_tok = 8;
     c.moe_intermediate_size = 768;
     c.intermediate_size = 6144;
-    if (c.max_position_embeddings < SEQ)
-        c.max_position_embeddings = SEQ;
+    if (c.max_position_embeddings < BENCH_SEQ)
+        c.max_position_embeddings = BENCH_SEQ;
     init_model_opts_t io = {7, 0.02f};
-    model_t *m = NULL;
-    lora_adapter_t *ad = NULL;
     const char *targets[1] = {"all-linear"};
     lora_config_t lc = {16, 32.0f, 0, 0.0f, 3, 0, targets, 1};
-    if (model_config_validate(&c, "bench") < 0 || init_model_write(dir, &c, &io) < 0 ||
-        model_open(&m, dir, NULL) < 0 ||
-        lora_adapter_new(&ad, &lc, m->modules, m->n_modules) < 0 || model_set_adapter(m, ad) < 0)
+    if (model_config_validate(&c, "bench") < 0 || init_model_write(bm->dir, &c, &io) < 0 ||
+        model_open(&bm->m, bm->dir, NULL) < 0 ||
+        lora_adapter_new(&bm->ad, &lc, bm->m->modules, bm->m->n_modules) < 0 ||
+        model_set_adapter(bm->m, bm->ad) < 0)
         die("model");
-    for (int i = 0; i < ad->n_tensors; i++) /* B random too, so every path computes */
+    lora_adapter_t *ad = bm->ad;
+    for (int i = 0; i < ad->n_tensors; i++)
         rng_fill_uniform(ad->params + ad->tensors[i].offset, ad->tensors[i].numel, 5,
                          (uint64_t)i, -0.01f, 0.01f);
+    if (model_cuda_upload(&bm->mc, bm->m) < 0)
+        die("model_cuda_upload");
+}
+
+static void bench_model_close(bench_model_t *bm) {
+    model_cuda_free(&bm->mc);
+    model_destroy(&bm->m);
+    lora_adapter_destroy(&bm->ad);
+    char path[sizeof bm->dir + 32];
+    const char *files[4] = {"config.json", "model.safetensors", "tokenizer.json",
+                            "tokenizer_config.json"};
+    for (int i = 0; i < 4; i++) {
+        snprintf(path, sizeof path, "%s/%s", bm->dir, files[i]);
+        unlink(path);
+    }
+    rmdir(bm->dir);
+}
+
+/* The LoRA training step on 4 sequences of 1024 tokens. The row's rate is the model's
+ * FLOPs (bench/step_flops.h) per second against the measured cuBLAS bf16 peak (the MFU). */
+static void bench_train_step(bench_model_t *bm) {
+    enum { NSEQ = 4, T = BENCH_SEQ * NSEQ };
     static int32_t tok[T], pos[T], tgt[T], cu[NSEQ + 1];
     static float logp[T], dlogp[T];
     for (int t = 0; t < T; t++) {
@@ -637,27 +669,97 @@ static void bench_train_step(void) {
         dlogp[t] = rng_uniform(12, 0, (uint64_t)t) - 0.5f;
     }
     for (int b = 0; b <= NSEQ; b++)
-        cu[b] = b * SEQ;
+        cu[b] = b * BENCH_SEQ;
     model_batch_next_token(pos, tgt, tok, cu, NSEQ);
-    step_ctx_t s = {NULL, {T, NSEQ, tok, pos, cu, tgt, 1.0f, NULL, NULL}, logp, dlogp};
-    if (model_cuda_upload(&s.mc, m) < 0)
-        die("model_cuda_upload");
+    step_ctx_t s = {bm->mc, {T, NSEQ, tok, pos, cu, tgt, 1.0f, NULL, NULL}, logp, dlogp};
     double ms = step_ms(&s), fwd, bwd;
-    step_flops(m, ad, pos, T, &fwd, &bwd);
+    step_flops(bm->m, bm->ad, pos, T, &fwd, &bwd);
     add_row("model train step (LoRA)", "L4 D2048 E64 K8 F768, 4x1024 tok", ms, fwd + bwd, 1,
             g_bf16_peak, "bf16 GEMM");
     snprintf(g_rows[g_nrows - 1].note, sizeof g_rows[0].note, "%.0f tok/s", T / (ms * 1e-3));
-    model_cuda_free(&s.mc);
-    model_destroy(&m);
-    lora_adapter_destroy(&ad);
-    char path[sizeof dir + 32];
-    const char *files[4] = {"config.json", "model.safetensors", "tokenizer.json",
-                            "tokenizer_config.json"};
-    for (int i = 0; i < 4; i++) {
-        snprintf(path, sizeof path, "%s/%s", dir, files[i]);
-        unlink(path);
+}
+
+/* The bytes a decode step of N rows at context ctx must read at least: every layer's
+ * attention matrices (bf16) and f32 router, the experts N K rows can reach (at most E),
+ * the lm_head, the adapter (f32) and the rows' keys and values (f32). */
+static double decode_bytes(const model_t *m, const lora_adapter_t *ad, int N, int ctx) {
+    double D = m->D, qd = (double)m->H * m->Dh, kvd = (double)m->Hkv * m->Dh, w = 0.0;
+    for (int l = 0; l < m->L; l++) {
+        const model_layer_t *ly = &m->layers[l];
+        w += 2.0 * (2 * D * qd + 2 * D * kvd);
+        if (ly->moe) {
+            int touched = N * m->K < m->E ? N * m->K : m->E;
+            w += 4.0 * D * m->E + 2.0 * touched * 3 * D * ly->moe_cfg.F;
+        } else {
+            w += 2.0 * 3 * D * m->cfg.intermediate_size;
+        }
     }
-    rmdir(dir);
+    w += 2.0 * (double)m->V * D + 4.0 * (double)ad->n_params;
+    return w + 4.0 * 2 * kvd * ctx * (double)N * m->L;
+}
+
+/* Median wall milliseconds of REPS decode steps (sampling on the device) after WARM. */
+static double decode_ms(model_cuda_t *mc, const model_cuda_decode_t *b,
+                        const cuda_sample_req_t *req, int32_t *tok, float *lp, int32_t *st) {
+    double t[REPS];
+    for (int i = 0; i < WARM + REPS; i++) {
+        double t0 = now_s();
+        if (model_cuda_decode_sample(mc, b, req, tok, lp, st, 1) < 0)
+            die("model_cuda_decode_sample");
+        if (i >= WARM)
+            t[i - WARM] = (now_s() - t0) * 1e3;
+    }
+    qsort(t, REPS, sizeof t[0], cmp_double);
+    return 0.5 * (t[(REPS - 1) / 2] + t[REPS / 2]);
+}
+
+/* Decode steps of N = 1 and 64 sequences, each at position 1023 (1024 keys attended) of a
+ * paged device cache of 16-token blocks, the next token sampled on the device at
+ * temperature 1. Each step stores its rows' keys and values at the same position again.
+ * The row's rate is decode_bytes per second against the measured copy bandwidth. */
+static void bench_decode(bench_model_t *bm) {
+    enum { NMAX = 64, BS = 16, MAXB = BENCH_SEQ / BS };
+    const model_t *m = bm->m;
+    int NB = NMAX * MAXB;
+    size_t floats = (size_t)m->L * NB * 2 * BS * (size_t)m->Hkv * m->Dh;
+    float *kv = dalloc(floats * sizeof(float));
+    cuda_ok(cudaMemset(kv, 0, floats * sizeof(float)), "cudaMemset");
+    static int32_t tok[NMAX], pos[NMAX], tables[NMAX * MAXB], out_tok[NMAX], status[NMAX];
+    static float out_lp[NMAX];
+    static cuda_sample_req_t req[NMAX];
+    for (int i = 0; i < NMAX; i++) {
+        tok[i] = (int32_t)(rng_uniform(13, 0, (uint64_t)i) * 256.0f) % 256;
+        pos[i] = BENCH_SEQ - 1;
+        for (int j = 0; j < MAXB; j++)
+            tables[i * MAXB + j] = i * MAXB + j;
+        req[i] = (cuda_sample_req_t){1.0f, 1.0f, 0, 0.0f, 1, (uint64_t)i, 0, 0};
+    }
+    static const int ns[2] = {1, NMAX};
+    for (int k = 0; k < 2; k++) {
+        int N = ns[k];
+        model_cuda_decode_t b = {N, tok, pos, tables, MAXB, kv, NB, BS, NULL};
+        double ms = decode_ms(bm->mc, &b, req, out_tok, out_lp, status);
+        for (int i = 0; i < N; i++)
+            if (status[i] != MO_OK)
+                die("decode: a row's sampling status");
+        char name[48], shape[64];
+        snprintf(name, sizeof name, "model decode step, batch %d", N);
+        snprintf(shape, sizeof shape, "same model, ctx 1024, sampled");
+        add_row(name, shape, ms, decode_bytes(m, bm->ad, N, BENCH_SEQ), 0, g_copy_bw,
+                "copy");
+        snprintf(g_rows[g_nrows - 1].note, sizeof g_rows[0].note, "%.0f tok/s",
+                 N / (ms * 1e-3));
+    }
+    g_be->free(g_be, kv);
+}
+
+static void bench_model(void) {
+    bench_model_t bm;
+    memset(&bm, 0, sizeof bm);
+    bench_model_open(&bm);
+    bench_train_step(&bm);
+    bench_decode(&bm);
+    bench_model_close(&bm);
 }
 
 static void print_table(void) {
@@ -705,13 +807,12 @@ int main(void) {
     bench_logprob(4096, 151936);
     bench_small_ops();
     bench_moe(4096, 2048, 768, 128, 8);
-    bench_train_step();
+    bench_model();
     cuda_pool_stats_t ps;
     backend_cuda_pool_stats(&ps);
     printf("pool: %.2f GiB reserved, %llu cudaMalloc calls for %llu allocations\n",
            (double)ps.reserved / (1 << 30), (unsigned long long)ps.device_allocs,
            (unsigned long long)ps.allocs);
-    printf("(decode on the GPU is not built yet: no decode rows)\n");
     print_table();
     return 0;
 }
