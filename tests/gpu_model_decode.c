@@ -118,6 +118,17 @@ static size_t cache_floats(const kv_cache_t *c) {
     return (size_t)c->L * c->n_blocks * c->parts * c->block_tokens * c->row;
 }
 
+/* cpu_open (seed 41) with room for every step's token, then the cache memory on the device
+ * (*nc floats). The room is taken before the upload: kv_seq_grow zeroes the keys of a block
+ * it takes, in host memory. */
+static float *cpu_open_upload(cpu_t *p, const model_t *m, size_t *nc) {
+    cpu_open(p, m, 41);
+    for (int s = 0; s < NSEQ; s++)
+        TU_CHECK_RC(kv_seq_grow(&p->c, &p->seq[s], p->len[s] + STEPS, &p->budget));
+    *nc = cache_floats(&p->c);
+    return dput(p->c.mem, sizeof(float) * *nc);
+}
+
 /* One decode step of every sequence on the CPU: logits (NSEQ, V) and routing. The
  * sequences must already hold the positions pos. */
 static void cpu_step(cpu_t *p, const model_t *m, const int32_t *tok, const int32_t *pos,
@@ -185,13 +196,8 @@ static void check_decode(fx_t *f, model_cuda_t *mc, int ad, double tol, int exac
     size_t MK = (size_t)m->n_moe * m->K;
     TU_CHECK_RC(model_set_adapter(f->m, ad ? f->ad : NULL));
     cpu_t p;
-    cpu_open(&p, m, 41);
-    /* Room for every step's token before the cache goes to the device: kv_seq_grow
-     * zeroes the keys of a block it takes, in host memory. */
-    for (int s = 0; s < NSEQ; s++)
-        TU_CHECK_RC(kv_seq_grow(&p.c, &p.seq[s], p.len[s] + STEPS, &p.budget));
-    size_t nc = cache_floats(&p.c);
-    float *dkv = dput(p.c.mem, sizeof(float) * nc);
+    size_t nc;
+    float *dkv = cpu_open_upload(&p, m, &nc);
     float *lg = malloc(sizeof(float) * NSEQ * V), *lc = malloc(sizeof(float) * NSEQ * V);
     float *again = malloc(sizeof(float) * NSEQ * V);
     uint16_t *rg = calloc(NSEQ * MK + 1, sizeof *rg), *rc = calloc(NSEQ * MK + 1, sizeof *rc);
@@ -403,11 +409,8 @@ static void test_sample(void) {
     model_cuda_t *mc = NULL;
     TU_CHECK_RC(model_cuda_upload(&mc, f.m));
     cpu_t p;
-    cpu_open(&p, m, 41);
-    for (int s = 0; s < NSEQ; s++)
-        TU_CHECK_RC(kv_seq_grow(&p.c, &p.seq[s], p.len[s] + STEPS, &p.budget));
-    size_t nc = cache_floats(&p.c);
-    float *dkv = dput(p.c.mem, sizeof(float) * nc);
+    size_t nc;
+    float *dkv = cpu_open_upload(&p, m, &nc);
     float *lg = malloc(sizeof(float) * NSEQ * V), *lc = malloc(sizeof(float) * NSEQ * V);
     sampler_t sm;
     TU_CHECK_RC(sampler_init(&sm, V));
