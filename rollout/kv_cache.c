@@ -56,6 +56,11 @@ size_t kv_cache_token_bytes(const kv_cache_t *c) {
     return sizeof(float) * (size_t)c->L * c->row * (size_t)c->parts;
 }
 
+void kv_cache_drop_memory(kv_cache_t *c) {
+    free(c->mem);
+    c->mem = NULL;
+}
+
 void kv_cache_free(kv_cache_t *c) {
     free(c->mem);
     free(c->ref);
@@ -106,7 +111,7 @@ static int take_block(kv_cache_t *c, int64_t *budget, int32_t *out) {
     c->reserved--;
     /* Scores read every slot of a block (the unused ones are discarded): keep them
      * finite and free of what an earlier sequence left. */
-    for (int l = 0; l < c->L; l++)
+    for (int l = 0; c->mem && l < c->L; l++)
         memset(kv_k_block(c, l, b), 0, sizeof(float) * (size_t)c->block_tokens * c->row);
     (*budget)--;
     *out = b;
@@ -157,7 +162,7 @@ int kv_seq_fork(kv_cache_t *c, kv_seq_t *dst, const kv_seq_t *src, int64_t *budg
             return rc;
         }
         size_t n = (size_t)c->block_tokens * c->row; /* whole block: keys are transposed */
-        for (int l = 0; l < c->L; l++) {
+        for (int l = 0; c->mem && l < c->L; l++) {
             memcpy(kv_k_block(c, l, b), kv_k_block(c, l, src->blocks[full]), sizeof(float) * n);
             if (c->parts == 2)
                 memcpy(kv_v_block(c, l, b), kv_v_block(c, l, src->blocks[full]), sizeof(float) * n);

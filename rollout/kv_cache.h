@@ -62,6 +62,12 @@ int kv_cache_init_latent(kv_cache_t *c, int L, int width, int64_t budget_tokens,
  * twice that (keys and values) otherwise. */
 size_t kv_cache_token_bytes(const kv_cache_t *c);
 void kv_cache_free(kv_cache_t *c);
+/* Gives the memory back and keeps the bookkeeping (blocks, references, reservations): for
+ * a cache whose keys and values live elsewhere, in the same layout (a device copy). New
+ * blocks are then not zeroed and forks copy no data (their caller copies the partial
+ * block: kv_seq_fork leaves it in dst's last block when src->len % BS != 0); kv_write,
+ * kv_read and the block pointers must not be used. */
+void kv_cache_drop_memory(kv_cache_t *c);
 
 /* Blocks needed to hold `tokens` positions: ceil(tokens / BS). */
 int64_t kv_cache_blocks_for(const kv_cache_t *c, int64_t tokens);

@@ -164,6 +164,31 @@ static void test_fork_share(void) {
 }
 
 /* A full cache makes the next reservation wait until a sequence is released. */
+/* Without memory (kv_cache_drop_memory, the device's cache): the same bookkeeping. */
+static void test_no_memory(void) {
+    kv_cache_t c;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_init(&c, L, HKV, DH, 64, BS), 0);
+    kv_cache_drop_memory(&c);
+    CU_ASSERT_PTR_NULL(c.mem);
+    CU_ASSERT_EQUAL(c.n_free, c.n_blocks);
+    int64_t b0 = 3, b1 = 1;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_reserve(&c, b0 + b1), 1);
+    kv_seq_t src = {0}, d = {0};
+    CU_ASSERT_EQUAL(kv_seq_grow(&c, &src, 10, &b0), 0);
+    CU_ASSERT_EQUAL(kv_seq_fork(&c, &d, &src, &b1), 0);
+    CU_ASSERT_EQUAL(b1, 0);
+    CU_ASSERT_EQUAL(d.n_blocks, 3);
+    CU_ASSERT_EQUAL(d.blocks[1], src.blocks[1]);
+    CU_ASSERT(d.blocks[2] != src.blocks[2]); /* the caller copies it */
+    CU_ASSERT_EQUAL(c.ref[src.blocks[0]], 2);
+    kv_seq_release(&c, &src);
+    kv_seq_release(&c, &d);
+    CU_ASSERT_EQUAL(c.n_free, c.n_blocks);
+    kv_cache_unreserve(&c, b0);
+    CU_ASSERT_EQUAL(c.reserved, 0);
+    kv_cache_free(&c);
+}
+
 static void test_wait_until_freed(void) {
     kv_cache_t c;
     CU_ASSERT_EQUAL_FATAL(kv_cache_init(&c, L, HKV, DH, 16, BS), 0);
@@ -325,6 +350,7 @@ int main(void) {
         {"grow, rows, release", test_grow_rows},
         {"fork: shared full blocks, private partial block", test_fork_share},
         {"waiting until a sequence is freed", test_wait_until_freed},
+        {"bookkeeping without memory", test_no_memory},
         {"latent cache: size, rows, fork", test_latent_rows},
         {"latent attention with absorbed up-projections vs expanded", test_latent_attention},
         CU_TEST_INFO_NULL,
