@@ -37,8 +37,9 @@ static int check_weight(const model_t *m, const wview_t *w, const char *what, in
         snprintf(where, sizeof where, "layer %d ", l);
     if (!w->data)
         return mo_errorf(MO_ECONFIG,
-                         "model_cuda: %s%s has no weights on this rank: expert parallelism is "
-                         "not supported by the CUDA forward (%s)",
+                         "model_cuda: %s%s has no weights on this rank (under expert "
+                         "parallelism, model_set_comm keeps only the rank's own experts, and "
+                         "those must all be there) (%s)",
                          where, what, m->path ? m->path : "model");
     return mo_errorf(MO_ECONFIG,
                      "model_cuda: %s%s is %s%s: only f32 and bf16 weights are supported by the "
@@ -78,8 +79,10 @@ static int check_moe(const model_t *m, const model_layer_t *ly, int l) {
         return mo_errorf(MO_ECONFIG, "model_cuda: layer %d has E=%d K=%d D=%d, the model %d %d %d",
                          l, rc->E, rc->K, ly->moe_cfg.D, m->E, m->K, m->D);
     TRY(check_weight(m, &ly->moe_w.router, "router", l));
-    dtype_t dt = ly->moe_w.gate[0].dtype;
-    for (int e = 0; e < m->E; e++) {
+    int e0, n; /* the experts this rank holds */
+    mc_ep_range(m, &e0, &n);
+    dtype_t dt = ly->moe_w.gate[e0].dtype;
+    for (int e = e0; e < e0 + n; e++) {
         TRY(check_weight(m, &ly->moe_w.gate[e], "expert gate_proj", l));
         TRY(check_weight(m, &ly->moe_w.up[e], "expert up_proj", l));
         TRY(check_weight(m, &ly->moe_w.down[e], "expert down_proj", l));
@@ -102,8 +105,6 @@ static int check_dense(const model_t *m, const model_layer_t *ly, int l) {
 static int check_supported(const model_t *m) {
     if (m->mla)
         return refuse(m, "multi-head latent attention (MLA, DeepSeek-V3 / Kimi K2)");
-    if (m->comm && comm_size(m->comm) > 1)
-        return refuse(m, "expert parallelism (model_set_comm)");
     if (m->adapter && m->adapter->n_full > 0)
         return refuse(m, "an adapter with trainable full weights (model_adapter_add_full)");
     if (!dtype_ok(&m->embed))
@@ -265,11 +266,7 @@ static int put_attention(up_t *u, const model_t *m, mc_layer_t *d, const model_l
     TRY(put_w(u, &d->wq, &ly->wq, qd, D));
     TRY(put_w(u, &d->wk, &ly->wk, kvd, D));
     TRY(put_w(u, &d->wv, &ly->wv, kvd, D));
-    TRY(put_w(u, &d->wo, &ly->wo, D, qd));
-    TRY(put_lora(u, &d->lq, &ly->lora_q, 1, (int)D, (int)qd));
-    TRY(put_lora(u, &d->lk, &ly->lora_k, 1, (int)D, (int)kvd));
-    TRY(put_lora(u, &d->lv, &ly->lora_v, 1, (int)D, (int)kvd));
-    return put_lora(u, &d->lo, &ly->lora_o, 1, (int)qd, (int)D);
+    return put_w(u, &d->wo, &ly->wo, D, qd);
 }
 
 /* The device table of one projection of n experts: w[e] (rows, cols). */
@@ -286,13 +283,11 @@ static int put_expert_mats(up_t *u, const void *const **dst, const wview_t *w, i
 static int put_ffn(up_t *u, const model_t *m, mc_layer_t *d, const model_layer_t *ly) {
     int D = m->D;
     const wview_t *gate, *up, *down;
-    const lora_pair_t *const *lg = NULL, *const *lu = NULL, *const *ld = NULL;
-    const lora_pair_t *none[1] = {NULL};
     if (ly->moe) {
-        d->n_ex = m->E;
+        int e0; /* the local experts only (expert parallelism) */
+        mc_ep_range(m, &e0, &d->n_ex);
         d->F = ly->moe_cfg.F;
-        gate = ly->moe_w.gate, up = ly->moe_w.up, down = ly->moe_w.down;
-        lg = ly->moe_w.lora_gate, lu = ly->moe_w.lora_up, ld = ly->moe_w.lora_down;
+        gate = ly->moe_w.gate + e0, up = ly->moe_w.up + e0, down = ly->moe_w.down + e0;
         d->norm_topk = ly->moe_cfg.router.norm_topk_prob;
         d->route_scale = ly->moe_cfg.router.routed_scaling_factor;
         TRY(put_w_f32(u, &d->router, &ly->moe_w.router, (size_t)m->E, (size_t)D));
@@ -300,36 +295,107 @@ static int put_ffn(up_t *u, const model_t *m, mc_layer_t *d, const model_layer_t
         d->n_ex = 1;
         d->F = m->cfg.intermediate_size;
         gate = &ly->dense.gate, up = &ly->dense.up, down = &ly->dense.down;
-        lg = &ly->dense.lora_gate, lu = &ly->dense.lora_up, ld = &ly->dense.lora_down;
     }
     int n = d->n_ex, F = d->F;
     d->ex.dtype = gate[0].dtype;
     TRY(put_expert_mats(u, &d->ex.gate, gate, n, (size_t)F, (size_t)D));
     TRY(put_expert_mats(u, &d->ex.up, up, n, (size_t)F, (size_t)D));
-    TRY(put_expert_mats(u, &d->ex.down, down, n, (size_t)D, (size_t)F));
-    memset(&d->ex.lora_gate, 0, sizeof d->ex.lora_gate);
-    memset(&d->ex.lora_up, 0, sizeof d->ex.lora_up);
-    memset(&d->ex.lora_down, 0, sizeof d->ex.lora_down);
+    return put_expert_mats(u, &d->ex.down, down, n, (size_t)D, (size_t)F);
+}
+
+/* One layer's adapter tables: q, k, v, o, then its experts' (or dense MLP's) gate, up and
+ * down. */
+typedef struct lset {
+    moe_cuda_lora_t q, k, v, o, gate, up, down;
+} lset_t;
+
+/* The adapter tables of layer ly into s, for d's experts (already laid out). */
+static int put_layer_lora(up_t *u, const model_t *m, lset_t *s, const mc_layer_t *d,
+                          const model_layer_t *ly) {
+    int D = m->D, qd = m->H * m->Dh, kvd = m->Hkv * m->Dh, n = d->n_ex, F = d->F;
+    TRY(put_lora(u, &s->q, &ly->lora_q, 1, D, qd));
+    TRY(put_lora(u, &s->k, &ly->lora_k, 1, D, kvd));
+    TRY(put_lora(u, &s->v, &ly->lora_v, 1, D, kvd));
+    TRY(put_lora(u, &s->o, &ly->lora_o, 1, qd, D));
+    const lora_pair_t *const *lg = ly->moe_w.lora_gate, *const *lu = ly->moe_w.lora_up,
+                             *const *ld = ly->moe_w.lora_down;
+    const lora_pair_t *none[1] = {NULL};
+    int e0, ne; /* the local experts' pairs (expert parallelism) */
+    mc_ep_range(m, &e0, &ne);
+    if (!ly->moe)
+        lg = &ly->dense.lora_gate, lu = &ly->dense.lora_up, ld = &ly->dense.lora_down;
+    else
+        lg = lg ? lg + e0 : NULL, lu = lu ? lu + e0 : NULL, ld = ld ? ld + e0 : NULL;
+    memset(&s->gate, 0, sizeof s->gate);
+    memset(&s->up, 0, sizeof s->up);
+    memset(&s->down, 0, sizeof s->down);
     if (n == 1 || lg)
-        TRY(put_lora(u, &d->ex.lora_gate, lg ? lg : none, n, D, F));
+        TRY(put_lora(u, &s->gate, lg ? lg : none, n, D, F));
     if (n == 1 || lu)
-        TRY(put_lora(u, &d->ex.lora_up, lu ? lu : none, n, D, F));
+        TRY(put_lora(u, &s->up, lu ? lu : none, n, D, F));
     if (n == 1 || ld)
-        TRY(put_lora(u, &d->ex.lora_down, ld ? ld : none, n, F, D));
+        TRY(put_lora(u, &s->down, ld ? ld : none, n, F, D));
     return MO_OK;
+}
+
+/* The bound adapter's part of the upload: its parameters, room for their gradients, and
+ * every layer's tables (sets (L)). */
+static int adapter_layout(model_cuda_t *mc, up_t *u, lset_t *sets) {
+    const model_t *m = mc->m;
+    u->ad = m->adapter;
+    if (u->ad) {
+        TRY(put_f(u, &u->dparams, u->ad->params, u->ad->n_params));
+        TRY(put_f(u, &u->dgrads, NULL, u->ad->n_params)); /* reserved, zeroed by the backward */
+    }
+    for (int l = 0; l < m->L; l++)
+        TRY(put_layer_lora(u, m, &sets[l], &mc->layers[l], &m->layers[l]));
+    return MO_OK;
+}
+
+static void adapter_commit(model_cuda_t *mc, const up_t *u, const lset_t *sets, void *mem) {
+    if (mc->amem)
+        mc->be->free(mc->be, mc->amem);
+    mc->amem = mem;
+    mc->ad = u->ad;
+    mc->R = u->ad ? u->ad->R : 0;
+    mc->dparams = (float *)u->dparams;
+    mc->dgrads = (float *)u->dgrads;
+    for (int l = 0; l < mc->L; l++) {
+        mc_layer_t *d = &mc->layers[l];
+        const lset_t *s = &sets[l];
+        d->lq = s->q, d->lk = s->k, d->lv = s->v, d->lo = s->o;
+        d->ex.lora_gate = s->gate, d->ex.lora_up = s->up, d->ex.lora_down = s->down;
+    }
+}
+
+/* The bound adapter (or none) uploaded into a pool block of its own, which replaces the
+ * upload's adapter (mc->amem, the layers' tables) only once all of it is made. */
+static int adapter_upload(model_cuda_t *mc) {
+    up_t u = {mc->be, NULL, 0, NULL, NULL, NULL, NULL};
+    u.tab = calloc((size_t)(mc->E > 1 ? mc->E : 1), sizeof(void *));
+    lset_t *sets = calloc((size_t)(mc->L > 0 ? mc->L : 1), sizeof *sets);
+    int rc = u.tab && sets ? adapter_layout(mc, &u, sets)
+                           : mo_errorf(MO_ENOMEM, "model_cuda: adapter tables");
+    void *mem = NULL;
+    if (rc == MO_OK && u.off > 0) {
+        rc = mc->be->alloc(mc->be, &mem, u.off);
+        u.base = mem;
+        u.off = 0;
+        if (rc == MO_OK)
+            rc = adapter_layout(mc, &u, sets);
+    }
+    if (rc == MO_OK)
+        adapter_commit(mc, &u, sets, mem);
+    else if (mem)
+        mc->be->free(mc->be, mem);
+    free(u.tab);
+    free(sets);
+    return rc;
 }
 
 static int layout(model_cuda_t *mc, up_t *u) {
     const model_t *m = mc->m;
     size_t V = (size_t)m->V, D = (size_t)m->D;
-    u->ad = m->adapter;
-    if (u->ad) {
-        TRY(put_f(u, &u->dparams, u->ad->params, u->ad->n_params));
-        TRY(put_f(u, &u->dgrads, NULL, u->ad->n_params)); /* reserved, zeroed by the backward */
-        mc->ad = u->ad;
-        mc->dparams = (float *)u->dparams;
-        mc->dgrads = (float *)u->dgrads;
-    }
     TRY(put_w(u, &mc->embed, &m->embed, V, D));
     if (m->lm_head.data == m->embed.data && m->lm_head.dtype == m->embed.dtype)
         mc->lm_head = mc->embed; /* tied */
@@ -361,13 +427,11 @@ static int upload(model_cuda_t *mc) {
         mc->wmem = p;
         u.base = p;
         u.off = 0;
-        u.dparams = NULL;
-        u.dgrads = NULL;
     }
     if (rc == MO_OK)
         rc = layout(mc, &u);
     free(u.tab);
-    return rc;
+    return rc == MO_OK ? adapter_upload(mc) : rc;
 }
 
 /* Rank and widths the scratch depends on. */
@@ -401,6 +465,8 @@ int model_cuda_upload(model_cuda_t **out, const model_t *m) {
     dims(mc);
     mc->layers = calloc((size_t)(m->L > 0 ? m->L : 1), sizeof *mc->layers);
     int rc = mc->layers ? upload(mc) : mo_errorf(MO_ENOMEM, "model_cuda_upload");
+    if (rc == MO_OK)
+        rc = mc_ep_init(mc);
     if (rc < 0) {
         model_cuda_free(&mc);
         return mo_error_wrap(rc, "model_cuda_upload");
@@ -416,6 +482,7 @@ void model_cuda_free(model_cuda_t **pmc) {
     if (mc->be) {
         mc->be->synchronize(mc->be); /* no queued work may still read the blocks */
         mc_train_free(mc);
+        mc_ep_free(mc);
         moe_cuda_plan_free(&mc->plan);
         if (mc->smem)
             mc->be->free(mc->be, mc->smem);
@@ -423,6 +490,10 @@ void model_cuda_free(model_cuda_t **pmc) {
             mc->be->free(mc->be, mc->dmem);
         if (mc->wmem)
             mc->be->free(mc->be, mc->wmem);
+        if (mc->amem)
+            mc->be->free(mc->be, mc->amem);
+        if (mc->kvmem)
+            mc->be->free(mc->be, mc->kvmem);
     }
     free(mc->layers);
     free(mc);
@@ -443,6 +514,44 @@ int model_cuda_sync_adapter(model_cuda_t *mc) {
     mc_train_invalidate(mc);
     return mc->be->copy(mc->be, mc->dparams, DEV_CUDA, mc->ad->params, DEV_CPU,
                         sizeof(float) * mc->ad->n_params);
+}
+
+/* 1 when b's pairs lie where a's do, with the same shapes and scale: the device tables
+ * built for a serve b. */
+static int same_layout(const lora_adapter_t *a, const lora_adapter_t *b) {
+    if (a->n_params != b->n_params || a->n_entries != b->n_entries || a->R != b->R ||
+        a->scale != b->scale)
+        return 0;
+    for (int e = 0; e < a->n_entries; e++) {
+        const lora_entry_t *x = &a->entries[e], *y = &b->entries[e];
+        if (strcmp(x->name, y->name) != 0 || x->C != y->C || x->OC != y->OC || x->R != y->R ||
+            x->off_A != y->off_A || x->off_B != y->off_B)
+            return 0;
+    }
+    return 1;
+}
+
+int model_cuda_rebind_adapter(model_cuda_t *mc) {
+    static const char fn[] = "model_cuda_rebind_adapter";
+    if (!mc)
+        return mo_errorf(MO_EINVAL, "%s: no uploaded model", fn);
+    const lora_adapter_t *ad = mc->m->adapter;
+    if (ad && ad->n_full > 0)
+        return mo_errorf(MO_EINVAL,
+                         "%s: the adapter bound trains %d full weights (%s, ...: "
+                         "model_adapter_add_full), which the CUDA forward does not support; "
+                         "the upload keeps its adapter",
+                         fn, ad->n_full, ad->tensors[2 * ad->n_entries].name);
+    TRY(mc->be->synchronize(mc->be)); /* no queued work still reads the old adapter */
+    mc_train_invalidate(mc);
+    if (ad && mc->ad && same_layout(ad, mc->ad)) {
+        mc->ad = ad;
+        return mc->be->copy(mc->be, mc->dparams, DEV_CUDA, ad->params, DEV_CPU,
+                            sizeof(float) * ad->n_params);
+    }
+    mc_train_free(mc); /* its buffers are sized for the old adapter */
+    int rc = adapter_upload(mc);
+    return rc < 0 ? mo_error_wrap(rc, fn) : MO_OK;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -712,9 +821,13 @@ static int moe(model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T
     TRY(model_glue_topk_weights(a->wt, s->val, T, K, ly->norm_topk, ly->route_scale));
     TRY(moe_cuda_plan_build(mc->cur_plan, idx));
     TRY(moe_cuda_dispatch_forward(s->xg, a->ln2, mc->cur_plan, D));
-    moe_cuda_experts_t w = experts_of(ly, ad);
-    moe_cuda_acts_t e = mc_expert_acts(a, &w);
-    TRY(moe_cuda_experts_forward(a->yg, &e, s->xg, mc->cur_plan->offsets, E, S, &w, D, ly->F));
+    if (mc->ep) { /* expert parallelism: the rows go to their experts' ranks and back */
+        TRY(mc_ep_experts_forward(mc, ly, a->yg, s->xg, mc->cur_plan->offsets, ad));
+    } else {
+        moe_cuda_experts_t w = experts_of(ly, ad);
+        moe_cuda_acts_t e = mc_expert_acts(a, &w);
+        TRY(moe_cuda_experts_forward(a->yg, &e, s->xg, mc->cur_plan->offsets, E, S, &w, D, ly->F));
+    }
     return moe_cuda_combine_forward(s->o, a->yg, a->wt, mc->cur_plan, D);
 }
 
@@ -857,11 +970,15 @@ int model_cuda_logprobs(model_cuda_t *mc, const model_batch_t *b, float *logp, f
     TRY(mc_check_batch(mc, b, logp, fn));
     TRY(mc_check_use_adapter(mc, use_adapter, fn));
     int T = b->T;
-    if (T == 0)
-        return MO_OK;
-    int rc = run(mc, b, use_adapter);
+    int rc = MO_OK;
+    if (T > 0)
+        rc = run(mc, b, use_adapter);
+    else if (mc->ep) /* no tokens: this rank still serves its experts */
+        rc = mc_ep_empty_forward(mc, use_adapter);
     if (rc < 0)
         return mc_fail(mc, rc, fn);
+    if (T == 0)
+        return MO_OK;
     return mc_results_out(mc, b, logp, entropy, mc->s.id.route, fn);
 }
 

@@ -28,9 +28,37 @@ extern "C" {
  *
  * Refused at upload (MO_ECONFIG, naming the feature): multi-head latent attention, sigmoid
  * or group-limited routers and e_score_correction_bias, shared experts, weights other than
- * f32/bf16 (f16, fp8 with block scales), expert parallelism (model_set_comm), adapters with
- * trainable full weights (model_adapter_add_full). Neither forward updates model_t.stats
- * or the aux loss; the training step refuses a balance loss (aux_coef > 0). */
+ * f32/bf16 (f16, fp8 with block scales), adapters with trainable full weights
+ * (model_adapter_add_full). Neither forward updates model_t.stats or the aux loss; the
+ * training step refuses a balance loss (aux_coef > 0).
+ *
+ * Expert parallelism: when the model holds a communicator (model_t.comm, model_set_comm),
+ * the upload takes only the routed experts this rank holds (model_t.ep_e0 .. + ep_n - 1,
+ * its E / N share; MO_ECONFIG when they are not the comm rank's), and every MoE layer of
+ * the scoring forward, the training step and the decode step runs moe/moe_ep.h's exchange
+ * on the device (actor/model_cuda_ep.c): tokens are routed over all E experts and gathered
+ * by expert as without a comm (so each owner's rows are contiguous); the dispatch offsets
+ * (E + 1 int32) of the owners' experts go to every owner in one comm_alltoallv and both
+ * ends' offsets are copied to the host: ONE HOST SYNC PER MoE LAYER, the only one inside
+ * the layer loop; then the rows (D floats each) go to their owners (comm_alltoallv), are
+ * grouped by local expert (sources in rank order, each source's rows in its order, as
+ * moe_ep_forward groups them), run through the local experts' grouped blocks and go back
+ * to their slots for the combine. The backward sends the combine's row gradients the same
+ * way and the input-row gradients back; the local experts' adapter gradients come only
+ * from this device, while those of replicated entries (attention, dense MLPs) hold this
+ * rank's tokens only and are summed over the ranks by the caller, as after model_backward
+ * (the learner's moe_ep_allreduce_replicated on the host gradients). Calls are then
+ * collective, in the same order on every rank: a rank without tokens (T = 0) still runs
+ * every MoE layer's exchanges in model_cuda_logprobs, model_cuda_forward_train and
+ * model_cuda_backward (decode steps need rows on every rank). A communicator on device
+ * memory (NCCL, comm_device DEV_CUDA) exchanges the device buffers directly, on the stream
+ * the backend queues on for the calling thread (each exchange sets it as the comm's
+ * stream: comm_set_stream with backend_cuda_stream()). A communicator
+ * on host memory (single, MPI) works too, each exchange staged through host memory. The
+ * exchanges' buffers are pool blocks that grow with the rows received, so the number of
+ * allocations settles once the largest batch has come. With one rank (a one-rank comm set
+ * in model_t.comm) every row stays local and the results are the same bits as without a
+ * comm. */
 typedef struct model_cuda model_cuda_t;
 
 /* Copies m's frozen weights and, when an adapter is bound (model_set_adapter), its
@@ -153,6 +181,77 @@ int model_cuda_decode_sample(model_cuda_t *mc, const model_cuda_decode_t *b,
                              const cuda_sample_req_t *req, int32_t *token, float *logp,
                              int32_t *status, int use_adapter);
 
+/* The rollout engine's prefill on the device: S prompts, packed, each from position 0,
+ * through every layer as model_cuda_logprobs runs them (causal attention within each
+ * prompt, the layer's sliding window honoured), with every layer's keys and values of every
+ * row also stored in a paged KV cache in device memory (model_cuda_decode_t's layout, the
+ * same bits as the CPU's kv_write), then n_jobs draws, each from the next-token
+ * distribution after the last row of one prompt (several draws may read the same prompt:
+ * the G samples of a prompt whose prefill they share). Host arrays except kv. */
+typedef struct model_cuda_prefill {
+    int N;                       /* rows: every prompt token, packed */
+    int S;                       /* prompts */
+    const int32_t *tokens;       /* (N) ids in [0, V) */
+    const int32_t *cu_seqlens;   /* (S + 1) prompt s is rows cu[s] .. cu[s+1]-1, positions 0 .. */
+    const int32_t *block_tables; /* (S, max_blocks): position p of prompt s is slot p % BS of
+                                  * block block_tables[s, p / BS] */
+    int max_blocks;
+    float *kv; /* DEVICE: the cache memory */
+    int NB, BS;
+    uint16_t *routing;      /* (N, M, K) receives each row's experts, or NULL */
+    int n_jobs;             /* draws, >= 0 */
+    const int32_t *job_seq; /* (n_jobs) the prompt whose last row draw j reads */
+} model_cuda_prefill_t;
+/* The prefill, then draw j taken from prompt job_seq[j]'s last-row logits under req[j] as
+ * model_cuda_decode_sample draws (token, logp, status (n_jobs), HOST; a bad row is that
+ * row's status, not an error of the call). Checked on the host before any device work
+ * (MO_EINVAL naming the prompt, row or draw; nothing is then written): tokens in [0, V),
+ * cu_seqlens strictly increasing from 0 to N (no empty prompt), S >= 1, each prompt's length
+ * within max_blocks BS, the table entries it covers in [0, NB) and no block named twice
+ * (by two prompts or one), job_seq in [0, S); with n_jobs > 0, req, token, logp and status
+ * given (n_jobs 0: only the cache is written, they may be NULL). Only the slots of the
+ * prompts' positions are written: the rest of a prompt's last block and every other block
+ * keep their contents. b->routing (N, M, K) receives every row's experts.
+ * use_adapter as in model_cuda_logprobs.
+ *
+ * Each layer runs the scoring forward's code on the N rows with an attention core that
+ * first stores the rows' keys and values (after the per-head norm and RoPE) at their slots
+ * (core/cuda/attn_decode.h's cuda_kv_store), then runs the packed causal attention. Draw
+ * j reads row cu[job_seq[j] + 1] - 1 of the last layer's output; the n_jobs rows go through
+ * the final norm, lm_head in chunks (mc_logits_rows, no larger than the N-row scratch's)
+ * and cuda_sample, as model_cuda_decode_sample's rows do. The draws, slots, ids and
+ * positions go up in one copy and the results come back in one copy, through the decode
+ * step's pool block (kept between calls); the activations use model_cuda_logprobs's
+ * scratch. Results agree with the CPU engine's prefill (decode_forward with prefill rows)
+ * as the scoring forward's do (f32 ~1e-5, bf16 ~1e-2). */
+int model_cuda_prefill_sample(model_cuda_t *mc, const model_cuda_prefill_t *b,
+                              const cuda_sample_req_t *req, int32_t *token, float *logp,
+                              int32_t *status, int use_adapter);
+/* A paged KV cache for this model in device memory, owned by the upload: (L, NB, 2, BS Hkv
+ * Dh) floats (rollout/kv_cache.h's layout) from the backend's pool, zeroed; *kv receives it.
+ * A second call with the same shape zeroes the same memory again; with another shape it
+ * gives the old memory back first (after the stream drains). The zeroing is done when the
+ * call returns, so another thread (stream) may use the cache next. Freed with the upload.
+ * MO_EINVAL for NB or BS < 1, MO_ENOMEM naming the bytes. */
+int model_cuda_kv_alloc(model_cuda_t *mc, int NB, int BS, float **kv);
+/* Copies block src of the upload's KV cache to block dst in every layer (the partial last
+ * block of a prompt that kv_seq_fork gave to a new sample): one strided device-to-device
+ * copy (core/cuda/attn_decode.h's cuda_kv_copy_block), queued on the calling thread's
+ * stream with no host sync. MO_EINVAL for a block outside [0, NB) or without a cache
+ * (model_cuda_kv_alloc). */
+int model_cuda_kv_copy_block(model_cuda_t *mc, int32_t src, int32_t dst);
+/* Takes the adapter now bound to the model (model_set_adapter; NULL: none) in place of the
+ * uploaded one, without uploading the frozen weights again: its parameters are copied to
+ * the device. The adapter lives in a pool block of its own (parameters, room for their
+ * gradients, the pointer tables of its pairs): when the new adapter's layout matches the
+ * uploaded one's (the same entries with the same shapes, offsets, rank and scale) that
+ * block and its tables are reused and only the parameters are copied (no device
+ * allocation); otherwise a new block is built and the old one given back, and the training
+ * step's state is freed (its buffers depend on the rank). With NULL the upload holds no
+ * adapter (use_adapter = 1 is then refused). Waits for queued work first; ends a pending
+ * training step. MO_EINVAL for an adapter the upload would refuse (full weights), naming
+ * its first full tensor; the previous adapter then stays. */
+int model_cuda_rebind_adapter(model_cuda_t *mc);
 #ifdef __cplusplus
 }
 #endif

@@ -137,9 +137,8 @@ static int upload_rows(model_cuda_t *mc, const model_cuda_decode_t *b, const cud
     return rc;
 }
 
-/* The sampled rows (token, status, logp in the decode block) into host memory: one copy. */
-static int download_samples(model_cuda_t *mc, int N, int32_t *token, float *logp, int32_t *status,
-                            const char *fn) {
+int mc_download_samples(model_cuda_t *mc, int N, int32_t *token, float *logp, int32_t *status,
+                        const char *fn) {
     const char *lo = (const char *)mc->dtok, *hi = (const char *)(mc->dlogp + N);
     size_t n = (size_t)(hi - lo);
     char *h = malloc(n);
@@ -155,41 +154,46 @@ static int download_samples(model_cuda_t *mc, int N, int32_t *token, float *logp
     return rc;
 }
 
-/* The layers and the final norm, queued with no host sync; then the logits chunk by
- * chunk, each copied into host memory (logits) or sampled on the device (req). */
+int mc_head_out(model_cuda_t *mc, float *hf, float *rstd, const float *x, int n, int rows,
+                float *logits) {
+    const kernels_t *k = mc->be->k;
+    int D = mc->D, V = mc->V;
+    k->rmsnorm_forward(hf, rstd, x, mc->final_norm, n, D, mc->m->eps);
+    for (int r0 = 0; r0 < n; r0 += rows) {
+        int c = n - r0 < rows ? n - r0 : rows;
+        k->matmul_forward(mc->s.logits, hf + (size_t)r0 * D, &mc->lm_head, NULL, c, D, V);
+        if (logits)
+            TRY(mc->be->copy(mc->be, logits + (size_t)r0 * V, DEV_CPU, mc->s.logits, DEV_CUDA,
+                             sizeof(float) * (size_t)c * V));
+        else
+            TRY(cuda_sample(mc->dtok + r0, mc->dlogp + r0, mc->dstatus + r0, NULL, mc->s.logits,
+                            mc->dreq + r0, c, V));
+    }
+    return MO_OK;
+}
+
+/* The layers, queued with no host sync; then the head: the logits chunk by chunk, each
+ * copied into host memory (logits) or sampled on the device (req). */
 static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
                const cuda_sample_req_t *req, int ad, const char *fn) {
-    const kernels_t *k = mc->be->k;
-    int N = b->N, D = mc->D, V = mc->V;
+    int N = b->N;
     TRY(mc_scratch_ready(mc, N, 1));
     TRY(upload_rows(mc, b, req, fn));
     mc->replay = 0;
     mc->id = &mc->did;
     mc->cur_plan = &mc->plan;
-    mc_kv_t kv = {b->kv, b->NB, b->BS, mc->dtables, b->max_blocks};
+    mc_kv_t kv = {b->kv, b->NB, b->BS, mc->dtables, b->max_blocks, NULL, 1};
     mc->kv = kv;
     mc->attend = attend_paged;
     const mc_scratch_t *s = &mc->s;
-    k->embedding_forward(s->x, mc->did.tok, &mc->embed, N, D);
+    mc->be->k->embedding_forward(s->x, mc->did.tok, &mc->embed, N, mc->D);
     mc_acts_t a = mc_scoring_acts(s);
     for (int l = 0; l < mc->L; l++) {
         int rc = mc_layer_forward(mc, l, &a, N, 1, ad);
         if (rc < 0)
             return mo_error_wrap(rc, "layer %d", l);
     }
-    k->rmsnorm_forward(s->hf, s->rstd, s->x, mc->final_norm, N, D, mc->m->eps);
-    int rows = mc_logits_rows(mc, N);
-    for (int r0 = 0; r0 < N; r0 += rows) {
-        int n = N - r0 < rows ? N - r0 : rows;
-        k->matmul_forward(s->logits, s->hf + (size_t)r0 * D, &mc->lm_head, NULL, n, D, V);
-        if (logits)
-            TRY(mc->be->copy(mc->be, logits + (size_t)r0 * V, DEV_CPU, s->logits, DEV_CUDA,
-                             sizeof(float) * (size_t)n * V));
-        else
-            TRY(cuda_sample(mc->dtok + r0, mc->dlogp + r0, mc->dstatus + r0, NULL, s->logits,
-                            mc->dreq + r0, n, V));
-    }
-    return MO_OK;
+    return mc_head_out(mc, s->hf, s->rstd, s->x, N, mc_logits_rows(mc, N), logits);
 }
 
 /* The step with its logits copied out (sample 0: logits) or sampled (sample 1: req and
@@ -211,7 +215,7 @@ static int decode_step(model_cuda_t *mc, const model_cuda_decode_t *b, int sampl
     mc->attend = NULL;
     memset(&mc->kv, 0, sizeof mc->kv);
     if (rc == MO_OK && sample)
-        rc = download_samples(mc, b->N, token, logp, status, fn);
+        rc = mc_download_samples(mc, b->N, token, logp, status, fn);
     if (rc < 0)
         return mc_fail(mc, rc, fn);
     if (b->routing) {

@@ -1,6 +1,7 @@
 /* model_cuda_int: what the parts of the CUDA model share: the device layout of the
  * weights, the per-call buffers, and the layer forward the scoring forward (model_cuda.c),
- * the training step (model_cuda_train.c) and the decode step (model_cuda_decode.c) run.
+ * the training step (model_cuda_train.c), the decode step (model_cuda_decode.c) and the
+ * prefill (model_cuda_prefill.c) run.
  * Private to actor/. */
 #ifndef MOERL_ACTOR_MODEL_CUDA_INT_H
 #define MOERL_ACTOR_MODEL_CUDA_INT_H
@@ -94,17 +95,21 @@ typedef struct mc_scratch {
 } mc_scratch_t;
 
 typedef struct mc_train mc_train_t; /* the training step's state (model_cuda_train.c) */
+typedef struct mc_ep mc_ep_t;       /* expert parallelism's state (model_cuda_ep.c) */
 
 /* The attention core of layer l: a->att (T, H Dh) from a->qr, a->kr and a->v (after the
  * per-head norms and RoPE). */
 typedef int (*mc_attend_fn)(model_cuda_t *mc, int l, const mc_acts_t *a, int T);
 
-/* The paged KV cache a decode step attends over (model_cuda_decode.c). */
+/* The paged KV cache a decode step attends over (model_cuda_decode.c), or a prefill
+ * stores into (model_cuda_prefill.c). */
 typedef struct mc_kv {
     float *mem;            /* (L, NB, 2, BS Hkv Dh) device, rollout/kv_cache.h's layout */
     int NB, BS;            /* blocks, tokens per block */
-    const int32_t *tables; /* (T, max_blocks) device: row i's block table */
+    const int32_t *tables; /* (T, max_blocks) device: row i's block table (decode) */
     int max_blocks;
+    const int32_t *slot; /* (T) device: row t's slot, block BS + pos % BS (prefill) */
+    int B;               /* sequences of the packed rows (prefill) */
 } mc_kv_t;
 
 struct model_cuda {
@@ -123,6 +128,9 @@ struct model_cuda {
     const float *inv_freq;    /* (Dh / 2) */
     mc_layer_t *layers;       /* (L) */
     void *wmem;               /* the pool block of weights and tables */
+    void *amem;               /* the pool block of the adapter: dparams, dgrads, its tables */
+    float *kvmem;             /* model_cuda_kv_alloc's cache, (L, NB, 2, BS Hkv Dh), or NULL */
+    int kv_NB, kv_BS;         /* its blocks and tokens per block */
     void *smem;               /* the pool block of scratch */
     size_t scap;              /* its bytes */
     moe_cuda_plan_t plan;     /* for plan_T tokens */
@@ -134,6 +142,7 @@ struct model_cuda {
     const mc_ids_t *id;
     moe_cuda_plan_t *cur_plan;
     mc_train_t *tr; /* NULL until the first model_cuda_forward_train */
+    mc_ep_t *ep;    /* the MoE layers' exchanges over m->comm; NULL without one */
     /* This call's attention core: NULL runs causal attention over the packed sequences
      * (mc->id->cu); the decode step sets its own over kv while it runs. */
     mc_attend_fn attend;
@@ -196,12 +205,62 @@ int mc_check_use_adapter(const model_cuda_t *mc, int use_adapter, const char *fn
  * target is -1, and the routing (b->routing) from route. */
 int mc_results_out(model_cuda_t *mc, const model_batch_t *b, float *logp, float *entropy,
                    const int32_t *route, const char *fn);
+/* hf (n, D), rstd (n) = the final norm of x (n, D); then the logits in chunks of rows
+ * (<= mc_logits_rows(mc, T) of the scratch's T) in mc->s.logits, each copied into logits
+ * (n, V, HOST) or, when logits is NULL, sampled on the device into mc->dtok, dlogp and
+ * dstatus under mc->dreq (n). Queued with no host sync except the copies out
+ * (model_cuda_decode.c). */
+int mc_head_out(model_cuda_t *mc, float *hf, float *rstd, const float *x, int n, int rows,
+                float *logits);
+/* The n sampled rows (mc->dtok, dstatus, dlogp, carved in that order) into host memory in
+ * one copy. */
+int mc_download_samples(model_cuda_t *mc, int n, int32_t *token, float *logp, int32_t *status,
+                        const char *fn);
 /* Drains the stream after a failure, keeping its message under fn. */
 int mc_fail(model_cuda_t *mc, int rc, const char *fn);
 /* Frees the training step's state (model_cuda_train.c); safe when there is none. */
 void mc_train_free(model_cuda_t *mc);
 /* Ends a pending training step (its backward is then MO_ESTATE). */
 void mc_train_invalidate(model_cuda_t *mc);
+
+/* Expert parallelism (model_cuda_ep.c). */
+/* The routed experts m holds: e0 .. e0 + n - 1 (all E without model_set_comm). */
+void mc_ep_range(const model_t *m, int *e0, int *n);
+/* mc->ep for m->comm (nothing without a comm or MoE layer); MO_ECONFIG when the experts
+ * m holds are not the comm rank's share. */
+int mc_ep_init(model_cuda_t *mc);
+/* Frees mc->ep; safe without one. */
+void mc_ep_free(model_cuda_t *mc);
+/* 1: the MoE layers of the forward that follows keep their exchanges for the training
+ * step's backward (set around the training forward, 0 after it). */
+void mc_ep_keep(model_cuda_t *mc, int keep);
+/* yg (S, D) = the experts' outputs of xg (S, D), this rank's rows grouped by expert with
+ * the dispatch offsets (E + 1, device; NULL: no rows): the offsets exchanged, copied to the
+ * host (one wait for the stream), the rows sent to their owners, grouped by local expert,
+ * run through ly's local experts (with their adapters when ad) and sent back. Collective. */
+int mc_ep_experts_forward(model_cuda_t *mc, const mc_layer_t *ly, float *yg, const float *xg,
+                          const int32_t *offsets, int ad);
+/* dxg (S, D) = the input-row gradients from dyg (S, D) at the expert outputs, through the
+ * exchanges the training forward kept for ly; the local experts' adapter gradients
+ * accumulate (mc->dgrads). Collective. */
+int mc_ep_experts_backward(const model_cuda_t *mc, const mc_layer_t *ly, float *dxg,
+                           const float *dyg);
+/* A rank without tokens: every MoE layer's exchanges, in layer order (forward) or in
+ * reverse (backward), serving the other ranks' rows for its experts. */
+int mc_ep_empty_forward(model_cuda_t *mc, int ad);
+int mc_ep_empty_backward(const model_cuda_t *mc);
+/* The host side of one exchange, from this rank's dispatch offsets own (E + 1, E = N n)
+ * and src (N, n + 1), the offsets of the local experts each rank sent: sc, sd (N) the
+ * floats (rows times D) sent to each owner and their start, rc, rd (N) those received from
+ * each source, packed in rank order; returns the rows received, or MO_EINVAL for offsets
+ * that are not nondecreasing (or too many rows). */
+int64_t mc_ep_counts(int N, int n, int D, const int32_t *own, const int32_t *src, int64_t *sc,
+                     int64_t *sd, int64_t *rc, int64_t *rd);
+/* The owner-side grouping of the rows received (rank by rank, each rank's by expert): off
+ * (n + 1) local expert i owns grouped rows off[i] .. off[i+1]-1, sources in rank order,
+ * each source's rows in its order; perm (R): grouped row j is received row perm[j]; inv
+ * (R) its inverse. */
+void mc_ep_group(int N, int n, const int32_t *src, int32_t *off, int32_t *perm, int32_t *inv);
 
 #ifdef __cplusplus
 }

@@ -225,11 +225,15 @@ static int forward_train(model_cuda_t *mc, const model_batch_t *b) {
     mc->cur_plan = &tr->plan;
     TRY(mc_upload_batch(mc, mc->id, b, "model_cuda_forward_train"));
     mc->be->k->embedding_forward(tr->x0, tr->id.tok, &mc->embed, T, mc->D);
-    for (int l = 0; l < mc->L; l++) {
-        int rc = mc_layer_forward(mc, l, &tr->acts[l], T, b->B, 1);
+    int rc = MO_OK;
+    mc_ep_keep(mc, 1); /* the MoE layers' exchanges stay for the backward */
+    for (int l = 0; l < mc->L && rc == MO_OK; l++) {
+        rc = mc_layer_forward(mc, l, &tr->acts[l], T, b->B, 1);
         if (rc < 0)
-            return mo_error_wrap(rc, "layer %d", l);
+            rc = mo_error_wrap(rc, "layer %d", l);
     }
+    mc_ep_keep(mc, 0);
+    TRY(rc);
     const float *xL = mc->L > 0 ? tr->acts[mc->L - 1].out : tr->x0;
     mc_head_forward(mc, tr->hf, tr->rstd_f, tr->lse, mc->s.logp, mc->s.ent, xL, T, b->temperature);
     return mc->be->synchronize(mc->be);
@@ -262,6 +266,12 @@ int model_cuda_forward_train(model_cuda_t *mc, const model_batch_t *b, float *lo
         if (rc < 0)
             return mc_fail(mc, rc, fn);
         TRY(mc_results_out(mc, b, logp, entropy, tr->id.route, fn));
+    } else if (mc->ep) { /* no tokens: this rank still serves its experts */
+        mc_ep_keep(mc, 1);
+        int rc = mc_ep_empty_forward(mc, 1);
+        mc_ep_keep(mc, 0);
+        if (rc < 0)
+            return mc_fail(mc, rc, fn);
     }
     for (int t = 0; t < T; t++)
         tr->has_tgt[t] = b->targets[t] >= 0;
@@ -356,9 +366,13 @@ static int moe_layer_backward(const model_cuda_t *mc, float *dln, const float *d
     TRY(zero(mc, tr->dweight, (size_t)S));
     TRY(zero(mc, tr->dxg, (size_t)S * D));
     TRY(moe_cuda_combine_backward(tr->dyg, tr->dweight, dy, a->yg, a->wt, p, D));
-    moe_cuda_acts_t e = mc_expert_acts(a, &ly->ex);
-    TRY(moe_cuda_experts_backward(tr->dxg, tr->dyg, tr->xg, &e, p->offsets, E, S, &ly->ex, D, ly->F,
-                                  tr->escr));
+    if (mc->ep) { /* expert parallelism: through the owners the forward sent the rows to */
+        TRY(mc_ep_experts_backward(mc, ly, tr->dxg, tr->dyg));
+    } else {
+        moe_cuda_acts_t e = mc_expert_acts(a, &ly->ex);
+        TRY(moe_cuda_experts_backward(tr->dxg, tr->dyg, tr->xg, &e, p->offsets, E, S, &ly->ex, D,
+                                      ly->F, tr->escr));
+    }
     TRY(moe_cuda_dispatch_backward(dln, tr->dxg, p, D));
     TRY(model_glue_router_backward(tr->drl, tr->dweight, idx, a->probs, T, E, K, ly->norm_topk,
                                    ly->route_scale));
@@ -415,6 +429,10 @@ static int head_backward(const model_cuda_t *mc, float *dx, int has_dent) {
 static int backward(model_cuda_t *mc, int has_dent) {
     mc_train_t *tr = mc->tr;
     TRY(zero(mc, mc->dgrads, mc->ad->n_params));
+    if (tr->T == 0) { /* expert parallelism: only the local experts' part */
+        TRY(mc_ep_empty_backward(mc));
+        return mc->be->synchronize(mc->be);
+    }
     float *dxa = tr->dxa, *dxb = tr->dxb;
     TRY(head_backward(mc, dxa, has_dent));
     for (int l = mc->L - 1; l >= 0; l--) {
@@ -444,7 +462,7 @@ int model_cuda_backward(model_cuda_t *mc, const float *dlogp, const float *dentr
         return mo_errorf(MO_EINVAL, "%s: the adapter has no gradient buffer (made with no_grads)",
                          fn);
     int T = tr->T;
-    if (T == 0)
+    if (T == 0 && !mc->ep)
         return MO_OK;
     float *h = tr->hbuf; /* (2 T): dl then dent, as tr->dl and tr->dent lie */
     for (int t = 0; t < T; t++) {
@@ -452,7 +470,8 @@ int model_cuda_backward(model_cuda_t *mc, const float *dlogp, const float *dentr
         h[T + t] = dentropy ? dentropy[t] : 0.0f;
     }
     const backend_t *be = mc->be;
-    int rc = be->copy(be, tr->dl, DEV_CUDA, h, DEV_CPU, sizeof(float) * 2 * (size_t)T);
+    size_t hb = sizeof(float) * 2 * (size_t)T;
+    int rc = T > 0 ? be->copy(be, tr->dl, DEV_CUDA, h, DEV_CPU, hb) : MO_OK;
     if (rc == MO_OK)
         rc = backward(mc, dentropy != NULL);
     size_t n = mc->ad->n_params;

@@ -344,3 +344,58 @@ extern "C" int cuda_attn_decode(float *out, const float *q, const float *k_new, 
     }
     return MO_OK;
 }
+
+/* One thread per element (row, kv head, dimension) of k and v. */
+static __global__ void store_kernel(float *cache, const float *k, const float *v,
+                                    const int32_t *slot, size_t layer_off, size_t blk, size_t vals,
+                                    int BS, int Hkv, int Dh, long long nslots, long long n) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
+         e += (long long)gridDim.x * blockDim.x) {
+        const int d = (int)(e % Dh);
+        const long long ih = e / Dh;
+        const int h = (int)(ih % Hkv);
+        const long long i = ih / Hkv;
+        const int32_t sl = slot[i];
+        if (sl < 0 || sl >= nslots)
+            continue;
+        const size_t base = layer_off + (size_t)(sl / BS) * blk;
+        const int p = sl % BS;
+        cache[base + ((size_t)h * Dh + d) * BS + p] = k[e];
+        cache[base + vals + ((size_t)h * BS + p) * Dh + d] = v[e];
+    }
+}
+
+extern "C" int cuda_kv_store(float *cache, const float *k, const float *v, int L, int NB, int BS,
+                             int Hkv, int Dh, int l, const int32_t *slot, int N) {
+    TRY(cuda_enter());
+    if (N < 0 || L < 1 || NB < 1 || BS < 1 || Hkv < 1 || Dh < 1 || l < 0 || l >= L)
+        return mo_errorf(MO_EINVAL,
+                         "cuda_kv_store: bad shape N=%d L=%d NB=%d BS=%d Hkv=%d Dh=%d l=%d (need "
+                         "N >= 0, sizes >= 1, 0 <= l < L)",
+                         N, L, NB, BS, Hkv, Dh, l);
+    if (N == 0)
+        return MO_OK;
+    if (!cache || !k || !v || !slot)
+        return mo_errorf(MO_EINVAL, "cuda_kv_store: cache, k, v and slot must be device pointers");
+    const size_t vals = (size_t)BS * Hkv * Dh, blk = 2 * vals;
+    const long long n = (long long)N * Hkv * Dh;
+    store_kernel<<<cuda_grid((size_t)n, 256), 256, 0, cuda_stream()>>>(
+        cache, k, v, slot, (size_t)l * NB * blk, blk, vals, BS, Hkv, Dh, (long long)NB * BS, n);
+    return cuda_launched("launch of store_kernel", __FILE__, __LINE__);
+}
+
+extern "C" int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int src, int dst) {
+    TRY(cuda_enter());
+    if (!cache || L < 1 || NB < 1 || blk < 1 || src < 0 || src >= NB || dst < 0 || dst >= NB)
+        return mo_errorf(MO_EINVAL,
+                         "cuda_kv_copy_block: blocks %d -> %d of a cache of L=%d NB=%d blocks of "
+                         "%zu floats (need a cache and both blocks in [0, NB))",
+                         src, dst, L, NB, blk);
+    if (src == dst)
+        return MO_OK;
+    const size_t pitch = sizeof(float) * (size_t)NB * blk;
+    DEC_TRY(cudaMemcpy2DAsync(cache + (size_t)dst * blk, pitch, cache + (size_t)src * blk, pitch,
+                              sizeof(float) * blk, (size_t)L, cudaMemcpyDeviceToDevice,
+                              cuda_stream()));
+    return MO_OK;
+}

@@ -57,6 +57,20 @@ int cuda_attn_decode(float *out, const float *q, const float *k_new, const float
                      const int32_t *block_tables, int max_blocks, const int32_t *pos, int N, int H,
                      float scale, int window, int splits);
 
+/* A prefill's keys and values into the cache: row i of k and v (N, Hkv, Dh) stored in
+ * slot[i] = b BS + p % BS (block b, position p of its sequence) of layer l, the same bits
+ * as kv_write (keys transposed per kv head (Hkv, Dh, BS), values (Hkv, BS, Dh)). Slots
+ * name distinct places and lie in [0, NB BS) (the caller checks: the device skips a row
+ * outside). Queued on the calling thread's stream; MO_EINVAL for a bad shape or a NULL
+ * pointer, MO_EDEVICE when the launch fails. */
+int cuda_kv_store(float *cache, const float *k, const float *v, int L, int NB, int BS, int Hkv,
+                  int Dh, int l, const int32_t *slot, int N);
+
+/* Block src of every layer copied to block dst (blk = 2 BS Hkv Dh floats each): one strided
+ * copy over the L layers, queued on the calling thread's stream. MO_EINVAL for a block
+ * outside [0, NB) or a bad shape, MO_EDEVICE when the copy fails. */
+int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int src, int dst);
+
 #ifdef __cplusplus
 }
 #endif

@@ -437,6 +437,10 @@ static int cu_synchronize(const backend_t *be) {
     return MO_OK;
 }
 
+void *backend_cuda_stream(void) {
+    return (void *)t_tls.stream;
+}
+
 static void cu_set_stream(const backend_t *be, void *stream) {
     (void)be;
     t_tls.stream = (cudaStream_t)stream;

@@ -40,6 +40,10 @@ typedef struct cuda_device_info {
 /* Facts about the bound device; fails (MO_EDEVICE, with a message) when the
  * backend has no device. */
 int backend_cuda_device_info(cuda_device_info_t *info);
+/* The stream the backend queues the calling thread's work on (a cudaStream_t; NULL is the
+ * default stream): what set_stream last set on this thread. Other libraries' work that
+ * must be ordered with the backend's (NCCL through comm_set_stream) goes there. */
+void *backend_cuda_stream(void);
 
 #ifdef __cplusplus
 }

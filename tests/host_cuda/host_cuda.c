@@ -95,6 +95,10 @@ void backend_cuda_pool_stats(cuda_pool_stats_t *s) {
     s->allocs = g_allocs;
 }
 
+void *backend_cuda_stream(void) {
+    return NULL; /* the host twin runs in order */
+}
+
 int backend_cuda_device_info(cuda_device_info_t *info) {
     memset(info, 0, sizeof *info);
     strcpy(info->name, "host twin");

@@ -1,7 +1,8 @@
 /* host_decode: the host twins of core/cuda/attn_decode.h and core/cuda/sampler.h, so that
- * the decode step of the CUDA model path (actor/model_cuda_decode.c, suite
- * gpu_model_decode.c) also runs on a machine without a GPU, next to the other twins
- * (host_cuda.c).
+ * the decode step and the prefill of the CUDA model path (actor/model_cuda_decode.c,
+ * actor/model_cuda_prefill.c, suite gpu_model_decode.c) also run on a machine without a
+ * GPU, next to the other twins (host_cuda.c). The prefill's store writes each row with
+ * kv_write, the block copy copies each layer's block with memmove.
  *
  * The "device" cache is host memory in the same layout, so the twin views it as a
  * kv_cache_t and each row's block table as a kv_seq_t, and runs the CPU engine's
@@ -88,6 +89,55 @@ int cuda_attn_decode(float *out, const float *q, const float *k_new, const float
             attn_decode_forward(o, q + (size_t)i * qd, &c, l, &sp, &pos[i], 1, H, scale, window);
     }
     free(c.ref);
+    return MO_OK;
+}
+
+/* Each row through kv_write, its block seen as a one-block sequence. */
+int cuda_kv_store(float *cache, const float *k, const float *v, int L, int NB, int BS, int Hkv,
+                  int Dh, int l, const int32_t *slot, int N) {
+    if (N < 0 || L < 1 || NB < 1 || BS < 1 || Hkv < 1 || Dh < 1 || l < 0 || l >= L)
+        return mo_errorf(MO_EINVAL,
+                         "cuda_kv_store (host twin): bad shape N=%d L=%d NB=%d BS=%d Hkv=%d "
+                         "Dh=%d l=%d",
+                         N, L, NB, BS, Hkv, Dh, l);
+    if (N == 0)
+        return MO_OK;
+    if (!cache || !k || !v || !slot)
+        return mo_errorf(MO_EINVAL, "cuda_kv_store (host twin): cache, k, v and slot must be "
+                                    "given");
+    kv_cache_t c;
+    memset(&c, 0, sizeof c);
+    c.L = L, c.Hkv = Hkv, c.Dh = Dh, c.block_tokens = BS, c.n_blocks = NB;
+    c.row = (size_t)Hkv * Dh;
+    c.parts = 2;
+    c.mem = cache;
+    c.ref = malloc(sizeof(int32_t) * (size_t)NB); /* every block held once, as in kv_write */
+    if (!c.ref)
+        return mo_errorf(MO_ENOMEM, "cuda_kv_store (host twin): %d blocks", NB);
+    for (int b = 0; b < NB; b++)
+        c.ref[b] = 1;
+    for (int i = 0; i < N; i++) {
+        if (slot[i] < 0 || slot[i] >= NB * BS)
+            continue; /* skipped, as on the device */
+        int32_t blk = slot[i] / BS;
+        kv_seq_t s = {&blk, 1, 1, BS};
+        kv_write(&c, &s, l, slot[i] % BS, k + (size_t)i * c.row, v + (size_t)i * c.row);
+    }
+    free(c.ref);
+    return MO_OK;
+}
+
+/* cudaMemcpy2DAsync's rows: one memmove per layer. */
+int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int src, int dst) {
+    if (!cache || L < 1 || NB < 1 || blk < 1 || src < 0 || src >= NB || dst < 0 || dst >= NB)
+        return mo_errorf(MO_EINVAL,
+                         "cuda_kv_copy_block (host twin): blocks %d -> %d of a cache of L=%d "
+                         "NB=%d blocks of %zu floats",
+                         src, dst, L, NB, blk);
+    for (int l = 0; l < L && src != dst; l++) {
+        float *layer = cache + (size_t)l * NB * blk;
+        memmove(layer + (size_t)dst * blk, layer + (size_t)src * blk, sizeof(float) * blk);
+    }
     return MO_OK;
 }
 
