@@ -70,6 +70,8 @@ static void generate_help(FILE *out) {
         "  --kv-tokens N        KV cache budget in tokens (default max-batch * max-seq-len)\n"
         "  --max-seq-len N      prompt + completion tokens (default min(2048, the model's))\n"
         "  --threads N          CPU threads (default: one per core)\n"
+        "  --device D           cpu (default) or cuda: prefill, decode and sampling on the\n"
+        "                       GPU (builds with the CUDA backend; not with --merge)\n"
         "  -h, --help           this help\n"
         "\n"
         "exit status: 0 all requests completed, 1 some failed (their lines say why) or a\n"
@@ -78,7 +80,7 @@ static void generate_help(FILE *out) {
 }
 
 typedef struct gen_args {
-    const char *model, *adapter, *prompt, *prompts, *tmpl;
+    const char *model, *adapter, *prompt, *prompts, *tmpl, *device;
     int n, max_tokens, top_k, threads, max_batch, max_seq_len;
     int routing, prompt_routing, ignore_eos, merge;
     int64_t kv_tokens, version;
@@ -138,6 +140,7 @@ static int set_string(gen_args_t *a, const char *o, const char *v) {
                        : !strcmp(o, "--prompt")   ? &a->prompt
                        : !strcmp(o, "--prompts")  ? &a->prompts
                        : !strcmp(o, "--template") ? &a->tmpl
+                       : !strcmp(o, "--device")   ? &a->device
                                                   : NULL;
     if (dst) {
         *dst = v;
@@ -234,6 +237,8 @@ static int parse_args(int argc, char **argv, gen_args_t *a) {
         return usage_error("%s is required", "--model");
     if (!a->prompt == !a->prompts)
         return usage_error("%s", "give exactly one of --prompt and --prompts");
+    if (a->device && strcmp(a->device, "cpu") != 0 && strcmp(a->device, "cuda") != 0)
+        return usage_error("--device: expected cpu or cuda, got '%s'", a->device);
     if (a->version < 0)
         a->version = a->adapter ? 1 : 0;
     return 0;
@@ -593,6 +598,7 @@ static int generate_run(int argc, char **argv) {
     eo.kv_cache_tokens = a.kv_tokens;
     eo.max_seq_len = a.max_seq_len;
     eo.merge_adapter = a.merge;
+    eo.device = a.device && !strcmp(a.device, "cuda") ? DEV_CUDA : DEV_CPU;
     eo.tok = tok;
     if (rc == MO_OK)
         rc = engine_new(&e, m, &eo);

@@ -763,8 +763,9 @@ static void check_rl(const moerl_config_t *c, const cfg_origin_t *org, config_er
                c->learner.tis_cap);
 }
 
-/* run.device cuda: the learner's model on the GPU (learner/actor_exec.h), in builds with
- * the CUDA backend, without what the device path cannot run. */
+/* run.device cuda: the learner's model (learner/actor_exec.h) and the rollout engine
+ * (rollout/engine.h) on the GPU, in builds with the CUDA backend, without what the device
+ * path cannot run. */
 static void check_device(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
     if (c->run.device != DEV_CUDA)
         return;
@@ -784,6 +785,10 @@ static void check_device(const moerl_config_t *c, const cfg_origin_t *org, confi
                "cuda runs the learner on one GPU: expert parallelism (learner.ranks = %d) runs "
                "on the CPU only",
                c->learner.ranks);
+    if (c->rollout.merge_adapter)
+        report(e, org, blame(org, dev, key_index("rollout", "merge_adapter")),
+               "cuda runs the rollout engine's adapter unmerged: rollout.merge_adapter runs on "
+               "the CPU only");
 }
 
 static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
@@ -933,12 +938,14 @@ static const char *const doc_intro =
     "`+`, `-`, `*` at most once;\n"
     "- a non-zero `rollout.kv_cache_tokens` holds at least `model.max_seq_len` tokens;\n"
     "- `run.device: cuda` needs a build with the CUDA backend (a build without it refuses the "
-    "key), `learner.ranks: 1`, and `lora.train_router` and `lora.train_norms` off. It runs the "
-    "learner's forwards and backwards (training step, old and reference log-probabilities; "
-    "`moerl sft`'s training step too) on the GPU; the loss, AdamW and evaluation stay on the "
-    "CPU, and the rollout engine runs on the CPU. A model the GPU path cannot run (multi-head "
-    "latent attention, sigmoid or group-limited routers, shared experts, fp8 weights) stops "
-    "the learner at startup with the reason, and so does a missing CUDA device.\n";
+    "key), `learner.ranks: 1`, `rollout.merge_adapter: false`, and `lora.train_router` and "
+    "`lora.train_norms` off. It runs the learner's forwards and backwards (training step, old "
+    "and reference log-probabilities; `moerl sft`'s training step too) and the rollout "
+    "workers' engine (prefill, decode and sampling, with the KV cache in device memory) on "
+    "the GPU; the loss, AdamW and evaluation stay on the CPU. A model the GPU path cannot run "
+    "(multi-head latent attention, sigmoid or group-limited routers, shared experts, fp8 "
+    "weights) stops the learner and the rollout workers at startup with the reason, and so "
+    "does a missing CUDA device.\n";
 
 void config_doc_markdown(FILE *out) {
     moerl_config_t def;

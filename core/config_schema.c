@@ -65,9 +65,9 @@ const cfg_key_t cfg_keys[] = {
           "Master seed; every random stream (init, sampling, shuffling) derives from it."),
     K_INT(run, threads, 0, 4096, "0", "CPU threads per process; 0 uses every core."),
     K_ENUM(run, device, device_names, "cpu",
-           "Device for the learner's model: cuda runs its training step and scoring on the GPU "
-           "(builds with the CUDA backend); the rollout engine runs on the CPU either way (see "
-           "the checks across keys)."),
+           "Device for the models: cuda runs the learner's training step and scoring, and the "
+           "rollout workers' prefill, decode and sampling, on the GPU (builds with the CUDA "
+           "backend; see the checks across keys)."),
     K_BOOL(run, deterministic, "false",
            "Bit-reproducible runs: fixed reduction orders and one CPU thread per reduction "
            "(slower)."),

@@ -1281,9 +1281,9 @@ static void teardown(ro_t *d) {
 }
 
 static void notify_ready(ro_t *d) {
-    metrics_log(d->m, "ready: model %s, learner %s, %d reward endpoint(s), pid %d",
-                d->cfg->model.path, d->cfg->transport.control, d->cfg->reward.workers,
-                (int)getpid());
+    metrics_log(d->m, "ready: model %s on %s, learner %s, %d reward endpoint(s), pid %d",
+                d->cfg->model.path, engine_get_opts(d->e).device == DEV_CUDA ? "cuda" : "cpu",
+                d->cfg->transport.control, d->cfg->reward.workers, (int)getpid());
     if (d->o->ready_fd >= 0) {
         ssize_t n = write(d->o->ready_fd, "ready\n", 6);
         (void)n;

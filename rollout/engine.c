@@ -9,75 +9,8 @@
 
 #include "core/status.h"
 #include "rollout/decode.h"
+#include "rollout/engine_int.h"
 #include "rollout/kv_cache.h"
-
-typedef enum { ST_WAIT = 0, ST_RUN, ST_TAIL, ST_DONE } sample_state_t;
-
-typedef struct eng_group eng_group_t;
-
-/* A running sample; its results accumulate in out. */
-typedef struct eng_sample {
-    eng_group_t *g;
-    gen_sample_t *out;
-    sample_state_t state;
-    kv_seq_t kv;
-    int64_t budget; /* reserved KV blocks not taken yet */
-    int cap;        /* capacity of out's token arrays */
-    size_t text_cap;
-    int max_new; /* max_new_tokens within max_seq_len */
-} eng_sample_t;
-
-struct eng_group {
-    eng_group_t *next;
-    gen_group_t *out;
-    gen_params_t params; /* stop lists point at the copies below */
-    int32_t *stop_ids;   /* (n_stop_ids) the engine's defaults and the request's */
-    int n_stop_ids;
-    char **stops;     /* (n_stops) */
-    size_t *stop_len; /* (n_stops) */
-    int n_stops;
-    size_t max_stop_len;
-    eng_sample_t *s; /* (G) */
-    int G, P, n_done;
-    int listed; /* engine_destroy's mark */
-};
-
-typedef struct queue {
-    eng_group_t *head, *tail;
-} queue_t;
-
-struct engine {
-    model_t *m;
-    engine_opts_t opts;
-    int M, K;
-    rl_weights_t w;
-    kv_cache_t kv;
-    arena_t step_ar;     /* a step's rows and outputs */
-    arena_t layer_ar;    /* a layer's temporaries */
-    sampler_t *samplers; /* (n_threads) */
-    int n_threads;
-    int32_t *eos; /* (n_eos) default stop ids */
-    int n_eos;
-    const lora_adapter_t *adapter;
-    int64_t version;
-    int bound; /* 1: engine_set_adapter bound adapter to the model (unmerged) */
-    queue_t waiting;       /* submitted, not admitted */
-    queue_t prefill;       /* admitted, prompt not run yet */
-    queue_t done;          /* finished, to collect */
-    eng_sample_t **active; /* (n_active) samples in ST_RUN or ST_TAIL */
-    int n_active, cap_active;
-    int n_running; /* admitted samples not finished (max_batch counts these) */
-    int n_pending; /* submitted and not collected */
-    uint64_t next_ticket;
-    engine_stats_t stats;
-};
-
-#define ALLOC(ptr, ar, n)                                                                          \
-    do {                                                                                           \
-        (ptr) = arena_alloc((ar), sizeof(*(ptr)) * (size_t)(n));                                   \
-        if (!(ptr))                                                                                \
-            return mo_error_wrap(MO_ENOMEM, "rollout step");                                       \
-    } while (0)
 
 const char *finish_reason_name(finish_reason_t r) {
     switch (r) {
@@ -100,6 +33,7 @@ void engine_opts_from_config(engine_opts_t *o, const moerl_config_t *c) {
     o->kv_cache_tokens = c->rollout.kv_cache_tokens;
     o->merge_adapter = c->rollout.merge_adapter;
     o->no_packed_weights = !c->rollout.packed_weights;
+    o->device = c->run.device;
 }
 
 gen_params_t gen_params_default(void) {
@@ -146,6 +80,17 @@ static int resolve_opts(engine_opts_t *o, const model_t *m) {
         o->max_prefill_tokens = 4096;
     if (o->block_tokens == 0)
         o->block_tokens = KV_BLOCK_TOKENS;
+    if (o->device != DEV_CPU && o->device != DEV_CUDA)
+        return mo_errorf(MO_EINVAL, "rollout engine: device %d is neither cpu nor cuda",
+                         (int)o->device);
+    if (o->device == DEV_CUDA && o->merge_adapter)
+        return mo_errorf(MO_ECONFIG, "rollout engine: merge_adapter is not available on "
+                                     "device cuda (the adapter runs unmerged there)");
+#ifndef MOERL_HAVE_CUDA
+    if (o->device == DEV_CUDA)
+        return mo_errorf(MO_ECONFIG, "rollout engine: device cuda needs a build with the "
+                                     "CUDA backend (this one has none)");
+#endif
     return MO_OK;
 }
 
@@ -184,8 +129,9 @@ int engine_new(engine_t **out, model_t *m, const engine_opts_t *opts) {
     int rc = resolve_opts(&e->opts, m);
     if (rc == MO_OK)
         rc = decode_kv_cache_init(&e->kv, m, e->opts.kv_cache_tokens, e->opts.block_tokens);
+    int dev = e->opts.device == DEV_CUDA;
     if (rc == MO_OK)
-        rc = rl_weights_init(&e->w, m, !e->opts.no_packed_weights);
+        rc = rl_weights_init(&e->w, m, !e->opts.no_packed_weights && !dev);
     if (rc == MO_OK && e->opts.merge_adapter)
         rc = rl_weights_merge(&e->w, m, NULL);
     if (rc == MO_OK)
@@ -200,6 +146,10 @@ int engine_new(engine_t **out, model_t *m, const engine_opts_t *opts) {
     }
     if (rc == MO_OK && !e->opts.merge_adapter)
         e->adapter = m->adapter;
+#ifdef MOERL_HAVE_CUDA
+    if (rc == MO_OK && dev)
+        rc = engine_cuda_open(e);
+#endif
     if (rc < 0) {
         engine_destroy(&e);
         return rc;
@@ -239,6 +189,9 @@ void engine_destroy(engine_t **pe) {
         group_destroy(g, &e->kv);
     }
     free(e->active);
+#ifdef MOERL_HAVE_CUDA
+    engine_cuda_close(e);
+#endif
     if (e->bound && e->m->adapter == e->adapter)
         model_set_adapter(e->m, NULL); /* the binding the engine made */
     if (e->samplers)
@@ -254,6 +207,33 @@ void engine_destroy(engine_t **pe) {
     *pe = NULL;
 }
 
+/* Device mode: the device takes the model's bound adapter. */
+static int bind_device(engine_t *e) {
+#ifdef MOERL_HAVE_CUDA
+    if (e->dev)
+        return engine_cuda_bind(e);
+#else
+    (void)e;
+#endif
+    return MO_OK;
+}
+
+/* kv_seq_fork, with the partial block's copy made on the device in device mode. */
+static int fork_seq(engine_t *e, kv_seq_t *dst, const kv_seq_t *src, int64_t *budget) {
+    TRY(kv_seq_fork(&e->kv, dst, src, budget));
+#ifdef MOERL_HAVE_CUDA
+    if (e->dev && src->len % e->kv.block_tokens != 0) {
+        int rc = engine_cuda_copy_block(e, src->blocks[src->n_blocks - 1],
+                                        dst->blocks[dst->n_blocks - 1]);
+        if (rc < 0) {
+            kv_seq_release(&e->kv, dst);
+            return rc;
+        }
+    }
+#endif
+    return MO_OK;
+}
+
 int engine_set_adapter(engine_t *e, const lora_adapter_t *ad, int64_t version) {
     if (e->opts.merge_adapter) {
         int rc = rl_weights_merge(&e->w, e->m, ad);
@@ -267,10 +247,15 @@ int engine_set_adapter(engine_t *e, const lora_adapter_t *ad, int64_t version) {
     } else {
         const lora_adapter_t *prev = e->m->adapter;
         int rc = model_set_adapter(e->m, ad);
+        if (rc == MO_OK)
+            rc = bind_device(e);
         if (rc < 0) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", mo_last_error());
             model_set_adapter(e->m, prev); /* rebinding what was bound succeeds */
             rl_weights_bind(&e->w, e->m);
-            return rc;
+            bind_device(e);
+            return mo_errorf(rc, "%s", msg);
         }
         rl_weights_bind(&e->w, e->m);
         e->bound = ad != NULL;
@@ -745,6 +730,22 @@ static int add_active(engine_t *e, eng_sample_t *s) {
     return MO_OK;
 }
 
+/* Records the draws of n_jobs samples (token, logprob, sampler status); a failed draw
+ * fails its group. Samples already done (a failed group) are skipped. */
+static void apply_draws(engine_t *e, eng_sample_t *const *smp, int n_jobs, const int32_t *tok,
+                        const float *lp, const int *rc) {
+    for (int j = 0; j < n_jobs; j++) {
+        eng_sample_t *s = smp[j];
+        if (s->state == ST_DONE)
+            continue;
+        int r = rc[j] < 0 ? mo_errorf(rc[j], "sampling failed (non-finite logits)") : MO_OK;
+        if (r == MO_OK)
+            r = sample_push(e, s, tok[j], lp[j]);
+        if (r < 0)
+            group_fail(e, s->g, r);
+    }
+}
+
 /* Draws the next token of n_jobs samples: job i reads row rows[i] (ascending) of the
  * final hidden states xs (R, D). Logits are formed a chunk of rows at a time. */
 static int sample_rows(engine_t *e, const float *xs, const int *rows, eng_sample_t **smp,
@@ -784,16 +785,7 @@ static int sample_rows(engine_t *e, const float *xs, const int *rows, eng_sample
         }
         j0 = j1;
     }
-    for (int j = 0; j < n_jobs; j++) {
-        eng_sample_t *s = smp[j];
-        if (s->state == ST_DONE)
-            continue;
-        int r = rc[j] < 0 ? mo_errorf(rc[j], "sampling failed (non-finite logits)") : MO_OK;
-        if (r == MO_OK)
-            r = sample_push(e, s, tok[j], lp[j]);
-        if (r < 0)
-            group_fail(e, s->g, r);
-    }
+    apply_draws(e, smp, n_jobs, tok, lp, rc);
     return MO_OK;
 }
 
@@ -824,26 +816,41 @@ static int prefill_groups(engine_t *e, eng_group_t ***out, int *B_out, int *S_ou
     return MO_OK;
 }
 
-/* After the prompts' forward (S sequences, sequence i is rows cu[i] .. cu[i+1]-1 and
- * belongs to group gs[grp[i]]): prompt routing, forks, first tokens. */
-static int prefill_finish(engine_t *e, eng_group_t **gs, int B, const int *grp, int S,
-                          const int32_t *cu, const float *x, const uint16_t *routing) {
-    const model_t *m = e->m;
-    size_t MK = (size_t)e->M * e->K;
-    float *xl; /* (S, D) the last row of each sequence */
-    int *rows, n_jobs = 0, total = 0;
-    eng_sample_t **smp;
-    ALLOC(xl, &e->step_ar, (size_t)S * m->D);
-    for (int i = 0; i < S; i++)
-        memcpy(xl + (size_t)i * m->D, x + (size_t)(cu[i + 1] - 1) * m->D, sizeof(float) * m->D);
+/* The draws a prefill makes: job j draws the first token of sample smp[j] from the last
+ * row of prompt copy seq[j] (seq ascending). */
+static int prefill_jobs(engine_t *e, eng_group_t **gs, int B, int **seq_out,
+                        eng_sample_t ***smp_out, int *n_out) {
+    int total = 0, n = 0;
     for (int b = 0; b < B; b++)
         total += gs[b]->G;
-    ALLOC(rows, &e->step_ar, total);
+    int *seq;
+    eng_sample_t **smp;
+    ALLOC(seq, &e->step_ar, total);
     ALLOC(smp, &e->step_ar, total);
     for (int i = 0, b = 0; b < B; b++) {
         eng_group_t *g = gs[b];
+        int copies = prefill_copies(e, g);
+        for (int j = 0; j < g->G; j++) {
+            seq[n] = i + (copies > 1 ? j : 0);
+            smp[n++] = &g->s[j];
+        }
+        i += copies;
+    }
+    *seq_out = seq;
+    *smp_out = smp;
+    *n_out = n;
+    return MO_OK;
+}
+
+/* After the prompts' forward (sequence i is rows cu[i] .. cu[i+1]-1): each group's prompt
+ * routing, its samples' forks of the prompt, and their start. A group that fails here is
+ * finished with its error (its draws are then skipped). */
+static void prefill_start(engine_t *e, eng_group_t **gs, int B, const int32_t *cu,
+                          const uint16_t *routing) {
+    size_t MK = (size_t)e->M * e->K;
+    for (int i = 0, b = 0; b < B; b++) {
+        eng_group_t *g = gs[b];
         int copies = prefill_copies(e, g), first = i, rc = MO_OK;
-        MO_ASSERT(grp[i] == b);
         i += copies;
         if (routing && g->params.record_prompt_routing) {
             g->out->prompt_routing = malloc(sizeof(uint16_t) * (size_t)g->P * MK);
@@ -854,25 +861,54 @@ static int prefill_finish(engine_t *e, eng_group_t **gs, int B, const int *grp, 
                 rc = mo_errorf(MO_ENOMEM, "rollout: out of memory for prompt routing");
         }
         for (int j = copies; rc == MO_OK && j < g->G; j++)
-            rc = kv_seq_fork(&e->kv, &g->s[j].kv, &g->s[0].kv, &g->s[j].budget);
+            rc = fork_seq(e, &g->s[j].kv, &g->s[0].kv, &g->s[j].budget);
         for (int j = 0; rc == MO_OK && j < g->G; j++)
             rc = add_active(e, &g->s[j]);
-        if (rc < 0) {
+        if (rc < 0)
             group_fail(e, g, rc);
-            continue;
-        }
-        for (int j = 0; j < g->G; j++) {
-            rows[n_jobs] = first + (copies > 1 ? j : 0);
-            smp[n_jobs++] = &g->s[j];
-        }
     }
-    return sample_rows(e, xl, rows, smp, n_jobs);
 }
 
-/* The rows of the prompts: tokens, positions, sequences, cu (S + 1), grp (S); each
+/* The CPU prefill's end: the groups start, then their first tokens are drawn from the
+ * last rows of the forward's hidden states x (N, D). */
+static int prefill_finish(engine_t *e, eng_group_t **gs, int B, int S, const int32_t *cu,
+                          const float *x, const uint16_t *routing) {
+    int D = e->m->D, n_jobs = 0, *seq;
+    eng_sample_t **smp;
+    float *xl; /* (S, D) the last row of each sequence */
+    ALLOC(xl, &e->step_ar, (size_t)S * D);
+    for (int i = 0; i < S; i++)
+        memcpy(xl + (size_t)i * D, x + (size_t)(cu[i + 1] - 1) * D, sizeof(float) * D);
+    TRY(prefill_jobs(e, gs, B, &seq, &smp, &n_jobs));
+    prefill_start(e, gs, B, cu, routing);
+    return sample_rows(e, xl, seq, smp, n_jobs);
+}
+
+#ifdef MOERL_HAVE_CUDA
+/* The device prefill: the forward and the first draws in one call, then the groups start
+ * (their forks copy the partial block after the prefill's stores, in stream order). */
+static int prefill_device(engine_t *e, eng_group_t **gs, int B, int N, int S,
+                          const int32_t *tokens, const int32_t *cu, kv_seq_t *const *seqs,
+                          uint16_t *routing) {
+    int n_jobs = 0, *seq, *rc;
+    eng_sample_t **smp;
+    int32_t *tok;
+    float *lp;
+    TRY(prefill_jobs(e, gs, B, &seq, &smp, &n_jobs));
+    ALLOC(tok, &e->step_ar, n_jobs);
+    ALLOC(lp, &e->step_ar, n_jobs);
+    ALLOC(rc, &e->step_ar, n_jobs);
+    TRY(engine_cuda_prefill(e, N, S, tokens, cu, seqs, routing, n_jobs, seq, smp, tok, lp, rc));
+    prefill_start(e, gs, B, cu, routing);
+    apply_draws(e, smp, n_jobs, tok, lp, rc);
+    return MO_OK;
+}
+#endif
+
+/* The rows of the prompts: tokens, positions, sequences and cu (S + 1); each
  * prefilled sequence grows to its prompt. */
 static int prefill_rows(engine_t *e, eng_group_t **gs, int B, int32_t *tokens, int32_t *pos,
-                        kv_seq_t **seqs, int32_t *cu, int *grp) {
+                        kv_seq_t **seqs, int32_t *cu) {
     int i = 0;
     cu[0] = 0;
     for (int b = 0; b < B; b++) {
@@ -880,7 +916,6 @@ static int prefill_rows(engine_t *e, eng_group_t **gs, int B, int32_t *tokens, i
         for (int j = 0; j < prefill_copies(e, g); j++, i++) {
             eng_sample_t *s = &g->s[j];
             cu[i + 1] = cu[i] + g->P;
-            grp[i] = b;
             for (int t = 0; t < g->P; t++) {
                 tokens[cu[i] + t] = g->out->prompt[t];
                 pos[cu[i] + t] = t;
@@ -892,38 +927,45 @@ static int prefill_rows(engine_t *e, eng_group_t **gs, int B, int32_t *tokens, i
     return MO_OK;
 }
 
+/* The prompts' forward and first draws, on the CPU or the device. */
+static int prefill_run(engine_t *e, eng_group_t **gs, int B, int N, int S, int32_t *tokens,
+                       int32_t *pos, kv_seq_t **seqs, int32_t *cu, uint16_t *routing) {
+#ifdef MOERL_HAVE_CUDA
+    if (e->dev)
+        return prefill_device(e, gs, B, N, S, tokens, cu, seqs, routing);
+#endif
+    float *x;
+    ALLOC(x, &e->step_ar, (size_t)N * e->m->D);
+    decode_batch_t db = {N, tokens, pos, seqs, 1, S, cu, routing};
+    TRY(decode_forward(e->m, &e->w, &e->kv, &e->layer_ar, &db, x));
+    return prefill_finish(e, gs, B, S, cu, x, routing);
+}
+
 static int prefill_step(engine_t *e) {
-    const model_t *m = e->m;
     eng_group_t **gs = NULL;
     int B = 0, S = 0, N = 0, rc, want_routing = 0;
     arena_reset(&e->step_ar);
     TRY(prefill_groups(e, &gs, &B, &S, &N));
     int32_t *tokens, *pos, *cu;
-    int *grp;
     kv_seq_t **seqs;
-    float *x;
     uint16_t *routing = NULL;
     ALLOC(tokens, &e->step_ar, N);
     ALLOC(pos, &e->step_ar, N);
     ALLOC(seqs, &e->step_ar, N);
     ALLOC(cu, &e->step_ar, S + 1);
-    ALLOC(grp, &e->step_ar, S);
-    ALLOC(x, &e->step_ar, (size_t)N * m->D);
     for (int b = 0; b < B; b++)
         want_routing |= gs[b]->params.record_prompt_routing;
-    rc = prefill_rows(e, gs, B, tokens, pos, seqs, cu, grp);
+    rc = prefill_rows(e, gs, B, tokens, pos, seqs, cu);
     if (rc == MO_OK && want_routing && e->M > 0) {
         routing = arena_alloc(&e->step_ar, sizeof(uint16_t) * (size_t)N * e->M * e->K);
         if (!routing)
             rc = mo_error_wrap(MO_ENOMEM, "rollout step");
     }
-    decode_batch_t db = {N, tokens, pos, seqs, 1, S, cu, routing};
     if (rc == MO_OK)
-        rc = decode_forward(m, &e->w, &e->kv, &e->layer_ar, &db, x);
+        rc = prefill_run(e, gs, B, N, S, tokens, pos, seqs, cu, routing);
     if (rc == MO_OK) {
         e->stats.steps_prefill++;
         e->stats.prefill_tokens += N;
-        rc = prefill_finish(e, gs, B, grp, S, cu, x, routing);
     }
     if (rc < 0)
         for (int b = 0; b < B; b++)
@@ -944,37 +986,12 @@ static int decode_rows(engine_t *e, int N, int32_t *tokens, int32_t *pos, kv_seq
     return MO_OK;
 }
 
-static int decode_step(engine_t *e) {
-    const model_t *m = e->m;
-    int N = e->n_active, rc;
+/* After a decode forward: each row's routing, the end of samples that were read once more
+ * for it (ST_TAIL), and the rows that draw (rows, smp: n_jobs of them). */
+static int decode_finish(engine_t *e, const uint16_t *routing, int *rows, eng_sample_t **smp) {
     size_t MK = (size_t)e->M * e->K;
-    arena_reset(&e->step_ar);
-    int32_t *tokens, *pos, *rows;
-    kv_seq_t **seqs;
-    eng_sample_t **smp;
-    float *x;
-    uint16_t *routing = NULL;
-    ALLOC(tokens, &e->step_ar, N);
-    ALLOC(pos, &e->step_ar, N);
-    ALLOC(seqs, &e->step_ar, N);
-    ALLOC(rows, &e->step_ar, N);
-    ALLOC(smp, &e->step_ar, N);
-    ALLOC(x, &e->step_ar, (size_t)N * m->D);
-    if (e->M > 0)
-        ALLOC(routing, &e->step_ar, (size_t)N * MK);
-    rc = decode_rows(e, N, tokens, pos, seqs);
-    decode_batch_t db = {N, tokens, pos, seqs, 0, 0, NULL, routing};
-    if (rc == MO_OK)
-        rc = decode_forward(m, &e->w, &e->kv, &e->layer_ar, &db, x);
-    if (rc < 0) {
-        for (int i = 0; i < N; i++)
-            group_fail(e, e->active[i]->g, rc);
-        return rc;
-    }
-    e->stats.steps_decode++;
-    e->stats.decode_rows += N;
     int n_jobs = 0;
-    for (int i = 0; i < N; i++) {
+    for (int i = 0; i < e->n_active; i++) {
         eng_sample_t *s = e->active[i];
         gen_sample_t *o = s->out;
         if (o->routing)
@@ -988,7 +1005,73 @@ static int decode_step(engine_t *e) {
             smp[n_jobs++] = s;
         }
     }
-    TRY(sample_rows(e, x, rows, smp, n_jobs));
+    return n_jobs;
+}
+
+/* The decode forward and draws on the CPU: hidden states, then sample_rows. */
+static int decode_cpu(engine_t *e, int N, int32_t *tokens, int32_t *pos, kv_seq_t **seqs,
+                      uint16_t *routing, int *rows, eng_sample_t **smp) {
+    float *x;
+    ALLOC(x, &e->step_ar, (size_t)N * e->m->D);
+    decode_batch_t db = {N, tokens, pos, seqs, 0, 0, NULL, routing};
+    TRY(decode_forward(e->m, &e->w, &e->kv, &e->layer_ar, &db, x));
+    int n_jobs = decode_finish(e, routing, rows, smp);
+    return sample_rows(e, x, rows, smp, n_jobs);
+}
+
+#ifdef MOERL_HAVE_CUDA
+/* The decode step on the device: every row draws there (a tail row's draw is dropped). */
+static int decode_device(engine_t *e, int N, int32_t *tokens, int32_t *pos, kv_seq_t **seqs,
+                         uint16_t *routing, int *rows, eng_sample_t **smp) {
+    int32_t *tok;
+    float *lp;
+    int *rc;
+    ALLOC(tok, &e->step_ar, N);
+    ALLOC(lp, &e->step_ar, N);
+    ALLOC(rc, &e->step_ar, N);
+    TRY(engine_cuda_decode(e, N, tokens, pos, seqs, routing, tok, lp, rc));
+    int n_jobs = decode_finish(e, routing, rows, smp);
+    for (int j = 0; j < n_jobs; j++) { /* rows ascend: compact the draws in place */
+        tok[j] = tok[rows[j]];
+        lp[j] = lp[rows[j]];
+        rc[j] = rc[rows[j]];
+    }
+    apply_draws(e, smp, n_jobs, tok, lp, rc);
+    return MO_OK;
+}
+#endif
+
+static int decode_step(engine_t *e) {
+    int N = e->n_active, rc;
+    arena_reset(&e->step_ar);
+    int32_t *tokens, *pos;
+    int *rows;
+    kv_seq_t **seqs;
+    eng_sample_t **smp;
+    uint16_t *routing = NULL;
+    ALLOC(tokens, &e->step_ar, N);
+    ALLOC(pos, &e->step_ar, N);
+    ALLOC(seqs, &e->step_ar, N);
+    ALLOC(rows, &e->step_ar, N);
+    ALLOC(smp, &e->step_ar, N);
+    if (e->M > 0)
+        ALLOC(routing, &e->step_ar, (size_t)N * e->M * e->K);
+    rc = decode_rows(e, N, tokens, pos, seqs);
+#ifdef MOERL_HAVE_CUDA
+    if (rc == MO_OK && e->dev)
+        rc = decode_device(e, N, tokens, pos, seqs, routing, rows, smp);
+    else
+#endif
+        if (rc == MO_OK)
+        rc = decode_cpu(e, N, tokens, pos, seqs, routing, rows, smp);
+    if (rc < 0) {
+        for (int i = 0; i < N; i++)
+            if (e->active[i]->g->n_done < e->active[i]->g->G)
+                group_fail(e, e->active[i]->g, rc);
+        return rc;
+    }
+    e->stats.steps_decode++;
+    e->stats.decode_rows += N;
     return 1;
 }
 

@@ -10,6 +10,7 @@
 #include "actor/model.h"
 #include "actor/tokenizer.h"
 #include "core/config.h"
+#include "core/tensor.h"
 #include "lora/adapter.h"
 #include "rollout/sampler.h"
 
@@ -42,7 +43,10 @@ extern "C" {
  *
  * The engine drives the model it is given: it binds adapters to it (engine_set_adapter)
  * and must be its only user while it runs. One thread calls the engine; the kernels use
- * the CPU backend's threads. */
+ * the CPU backend's threads, or with device DEV_CUDA the calling thread's CUDA stream:
+ * the same results to the rounding of the device's products (f32 weights ~1e-5, bf16
+ * weights ~1e-2 in the logits, so a sampled token may differ where two candidates are
+ * that close). */
 
 typedef enum {
     FINISH_NONE = 0,    /* still running */
@@ -74,6 +78,13 @@ typedef struct engine_opts {
     int no_packed_weights;   /* 1: no packed copy of the bf16 weights for the AMX tiles
                               * (saves one copy of them in memory; the products then read
                               * the weights in place, slower). No effect without AMX. */
+    device_t device;         /* DEV_CPU (0), or DEV_CUDA: the model's weights, the adapter and
+                              * the KV cache live on the GPU, and every prefill and decode
+                              * step runs there (actor/model_cuda.h), sampling included; the
+                              * requests, stop conditions and results stay on the host.
+                              * Needs a build with CUDA and a device, and a model the CUDA path
+                              * runs (MO_ECONFIG names what is missing); merge_adapter is
+                              * refused there. */
 } engine_opts_t;
 
 /* The rollout section of a job config (and model.max_seq_len) as engine options. */

@@ -1097,6 +1097,14 @@ static void test_cli(void) {
     CU_ASSERT_EQUAL(n, 0);
     snprintf(args, sizeof args, "--model %s --prompt x --top-p abc", f.dir);
     CU_ASSERT_EQUAL(run_cli(args, l, 8, &n), 2);
+    snprintf(args, sizeof args, "--model %s --prompt x --device tpu", f.dir);
+    CU_ASSERT_EQUAL(run_cli(args, l, 8, &n), 2);
+#ifndef MOERL_HAVE_CUDA
+    /* A build without the CUDA backend refuses the device before any request runs. */
+    snprintf(args, sizeof args, "--model %s --prompt x --device cuda", f.dir);
+    CU_ASSERT_EQUAL(run_cli(args, l, 8, &n), 1);
+    CU_ASSERT_EQUAL(n, 0);
+#endif
     fx_close(&f);
 }
 
