@@ -6,14 +6,16 @@
  *
  * usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G]
  *                       [--prompt-len P] [--max-tokens N] [--single S] [--python PY]
- *                       [--peer FILE | --no-peer]
+ *                       [--peer FILE | --no-peer] [--device cpu|cuda]
  *
  * Without --model, a `moerl init-model --arch qwen3_moe --size small` model (bf16) is
  * written to a temporary directory. Prompts are NP random byte sequences of P tokens;
  * every completion runs exactly N tokens (no stop ids), at temperature 1. "single" runs
  * the first S prompts' G samples one sequence at a time (batch 1, own prefill each).
  * Times include prefill, decode and sampling, not model loading. It also prints which
- * kernel runs the engine's products with bf16 weights (AMX tiles or the vector units). */
+ * kernel runs the engine's products with bf16 weights (AMX tiles or the vector units).
+ * --device cuda runs the engine on the GPU (engine_opts_t.device; builds with the CUDA
+ * backend); the peer, which runs on the CPU, is then left out. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +35,7 @@
 typedef struct args {
     const char *model, *python, *peer;
     int threads, prompts, n, prompt_len, max_tokens, single, no_peer;
+    device_t device;
 } args_t;
 
 typedef struct result {
@@ -50,12 +53,12 @@ static double clock_s(clockid_t id) {
 static int usage(void) {
     fprintf(stderr, "usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G] "
                     "[--prompt-len P] [--max-tokens N] [--single S] [--python PY] "
-                    "[--peer FILE | --no-peer]\n");
+                    "[--peer FILE | --no-peer] [--device cpu|cuda]\n");
     return 2;
 }
 
 static int parse_args(args_t *a, int argc, char **argv) {
-    *a = (args_t){NULL, "/usr/bin/python3", NULL, 1, 64, 8, 32, 64, 2, 0};
+    *a = (args_t){NULL, "/usr/bin/python3", NULL, 1, 64, 8, 32, 64, 2, 0, DEV_CPU};
     const char *py = getenv("MOERL_PYTHON");
     if (py && *py)
         a->python = py;
@@ -81,12 +84,16 @@ static int parse_args(args_t *a, int argc, char **argv) {
             a->python = v;
         else if (!strcmp(o, "--peer"))
             a->peer = v;
+        else if (!strcmp(o, "--device") && (!strcmp(v, "cpu") || !strcmp(v, "cuda")))
+            a->device = !strcmp(v, "cuda") ? DEV_CUDA : DEV_CPU;
         else if (!n || (*n = atoi(v)) < 0)
             return -1;
     }
     if (a->threads < 1 || a->prompts < 2 || a->n < 1 || a->prompt_len < 1 || a->max_tokens < 1 ||
         a->single > a->prompts)
         return -1;
+    if (a->device == DEV_CUDA)
+        a->no_peer = 1;
     return 0;
 }
 
@@ -119,10 +126,11 @@ static gen_request_t request(uint64_t id, const int32_t *prompt, int P, int n, f
 }
 
 /* Runs reqs (nr) on an engine with room for max_batch samples; adds to *res. */
-static int run(model_t *m, const gen_request_t *reqs, int nr, int max_batch, int max_seq,
-               result_t *res, gen_group_t **keep) {
+static int run(model_t *m, device_t dev, const gen_request_t *reqs, int nr, int max_batch,
+               int max_seq, result_t *res, gen_group_t **keep) {
     engine_opts_t o;
     memset(&o, 0, sizeof o);
+    o.device = dev;
     o.max_batch = max_batch;
     o.max_seq_len = max_seq;
     o.max_prefill_tokens = 8192;
@@ -245,18 +253,19 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
     int check_tokens = N < 16 ? N : 16, eq = -1, total = 0;
     for (int i = 0; i < NP; i++)
         reqs[i] = request((uint64_t)i, prompts[i], P, G, 1.0f, N);
-    rc = run(m, reqs, 2, 2 * G, max_seq, &warm, NULL);
+    device_t dev = a->device;
+    rc = run(m, dev, reqs, 2, 2 * G, max_seq, &warm, NULL);
     if (rc == MO_OK)
-        rc = run(m, reqs, NP, NP * G, max_seq, &batched, NULL);
+        rc = run(m, dev, reqs, NP, NP * G, max_seq, &batched, NULL);
     for (int i = 0; rc == MO_OK && i < a->single; i++)
         for (int j = 0; j < G; j++) {
             gen_request_t r = request((uint64_t)(i * G + j), prompts[i], P, 1, 1.0f, N);
-            rc = run(m, &r, 1, 1, max_seq, &single, NULL);
+            rc = run(m, dev, &r, 1, 1, max_seq, &single, NULL);
         }
     gen_request_t gr[2] = {request(0, prompts[0], P, 1, 0.0f, check_tokens),
                            request(1, prompts[1], P, 1, 0.0f, check_tokens)};
     if (rc == MO_OK)
-        rc = run(m, gr, 2, 2, max_seq, &greedy, check);
+        rc = run(m, dev, gr, 2, 2, max_seq, &greedy, check);
     char job[1100];
     snprintf(job, sizeof job, "%s/job.json", tmp);
     if (rc == MO_OK && !a->no_peer)
@@ -269,7 +278,8 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
                m->cfg.model_type, m->L, m->D, m->H, m->Hkv, m->E, m->K, m->V, NP, G, P, N,
                a->threads);
         printf("moerl products with bf16 weights: %s\n",
-               amx_matmul_available()
+               dev == DEV_CUDA ? "the CUDA device (engine on the GPU; no CPU peer)"
+               : amx_matmul_available()
                    ? "AMX tiles, packed weight copies (activations split into 3 bf16 parts)"
                    : "vector units (CPU kernel table)");
         show("moerl batched", &batched);

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Checks the CUDA backend on a machine with an NVIDIA GPU: builds the optimised
 # build with CUDA, runs the GPU suites (ctest label "gpu": the kernel parity
-# test against the CPU backend, NCCL), then the GPU kernel benchmark, and
-# prints a short summary table last. Sized for a few minutes on one H200.
+# test against the CPU backend, the model, the learner, the rollout engine,
+# NCCL), then the GPU kernel benchmark and the rollout engine's generation
+# benchmark on the GPU, and prints a short summary table last. Sized for a few
+# minutes on one H200.
 #
 #   scripts/gpu-check.sh             build in $BUILD_DIR, ctest -L gpu, benchmark
 #   scripts/gpu-check.sh --pack DIR  build here (no GPU needed), then copy the GPU
@@ -43,7 +45,7 @@ print_summary() {
 # The GPU test executables (tests/gpu_*.c) and the benchmark.
 gpu_targets() {
     for f in "$root"/tests/gpu_*.c; do basename "$f" .c; done
-    echo bench_gpu_kernels
+    echo bench_gpu_kernels bench_generate
 }
 
 build_gpu() {
@@ -67,6 +69,23 @@ run_bench() {
     [[ $rc == 0 || $rc == 77 ]]
 }
 
+# The rollout engine on the GPU (bench_generate --device cuda, a small Qwen3-MoE in bf16):
+# tokens/s of 64 prompts x 8 samples batched and of single sequences.
+run_engine_bench() {
+    local exe=$1 log="$logs/bench_generate.log"
+    echo "=== rollout engine on the GPU ==="
+    "$exe" --device cuda --prompts 64 -n 8 --prompt-len 32 --max-tokens 64 --single 2 2>&1 |
+        tee "$log"
+    local rc=${PIPESTATUS[0]}
+    if [[ $rc == 0 ]]; then
+        note "engine batched (cuda)" "$(awk '/^moerl batched/ {print $4 " tokens/s"}' "$log")"
+        note "engine single (cuda)" "$(awk '/^moerl single/ {print $4 " tokens/s"}' "$log")"
+    else
+        note bench_generate "FAILED (exit $rc)"
+    fi
+    [[ $rc == 0 ]]
+}
+
 mode_build_and_check() {
     local failed=0
     if ! build_gpu 2>&1 | tee "$logs/build.log"; then
@@ -84,6 +103,7 @@ mode_build_and_check() {
         note "" "(some GPU tests were skipped: see the log)"
     [[ $rc == 0 ]] || failed=1
     run_bench "$build/bench/bench_gpu_kernels" || failed=1
+    run_engine_bench "$build/bench/bench_generate" || failed=1
     save_logs
     print_summary
     return $failed
@@ -160,6 +180,7 @@ mode_run() {
         esac
     done
     run_bench "$dir/bin/bench_gpu_kernels" || failed=1
+    run_engine_bench "$dir/bin/bench_generate" || failed=1
     save_logs
     print_summary
     return $failed
@@ -169,6 +190,6 @@ case "${1:-}" in
 "") mode_build_and_check ;;
 --pack) [[ $# == 2 ]] || { echo "usage: $0 --pack DIR" >&2; exit 2; }; mode_pack "$2" ;;
 --run) [[ $# == 2 ]] || { echo "usage: $0 --run DIR" >&2; exit 2; }; mode_run "$2" ;;
--h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' ;;
+-h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' ;;
 *) echo "usage: $0 [--pack DIR | --run DIR]" >&2; exit 2 ;;
 esac
