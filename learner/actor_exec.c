@@ -99,14 +99,14 @@ void actor_exec_describe(const actor_exec_t *x, char *buf, size_t cap) {
         return;
     if (!x || x->dev == DEV_CPU) {
         snprintf(buf, cap,
-                 "the model (training step and scoring) runs on the CPU; the rollout "
-                 "engine runs on the CPU");
+                 "the model (training step and scoring) runs on the CPU, and so do the "
+                 "rollout workers' engines");
         return;
     }
 #ifdef MOERL_HAVE_CUDA
     snprintf(buf, cap,
              "the model (training step and scoring) runs on the GPU (%s); the loss, AdamW and "
-             "evaluation run on the CPU; the rollout engine runs on the CPU",
+             "evaluation run on the CPU; the rollout workers' engines run on the GPU",
              x->dev_name);
 #else
     snprintf(buf, cap, "cuda, which this build lacks");

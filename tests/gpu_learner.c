@@ -117,7 +117,7 @@ static void run_steps(lf_t *f, int with_routing) {
     char line[400];
     actor_exec_describe(tg->exec, line, sizeof line);
     CU_ASSERT_PTR_NOT_NULL(strstr(line, "runs on the GPU (cuda:"));
-    CU_ASSERT_PTR_NOT_NULL(strstr(line, "the rollout engine runs on the CPU"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(line, "the rollout workers' engines run on the GPU"));
     check_params("initial adapter", 0, tg, tc);
     sample_group_t *g[4];
     for (int i = 0; i < 4; i++)
