@@ -780,11 +780,6 @@ static void check_device(const moerl_config_t *c, const cfg_origin_t *org, confi
         report(e, org, blame(org, dev, key_index("lora", full)),
                "cuda trains LoRA adapters only: lora.train_router and lora.train_norms run on "
                "the CPU only");
-    if (c->learner.ranks > 1)
-        report(e, org, blame(org, dev, key_index("learner", "ranks")),
-               "cuda runs the learner on one GPU: expert parallelism (learner.ranks = %d) runs "
-               "on the CPU only",
-               c->learner.ranks);
     if (c->rollout.merge_adapter)
         report(e, org, blame(org, dev, key_index("rollout", "merge_adapter")),
                "cuda runs the rollout engine's adapter unmerged: rollout.merge_adapter runs on "
@@ -938,9 +933,10 @@ static const char *const doc_intro =
     "`+`, `-`, `*` at most once;\n"
     "- a non-zero `rollout.kv_cache_tokens` holds at least `model.max_seq_len` tokens;\n"
     "- `run.device: cuda` needs a build with the CUDA backend (a build without it refuses the "
-    "key), `learner.ranks: 1`, `rollout.merge_adapter: false`, and `lora.train_router` and "
-    "`lora.train_norms` off. It runs the learner's forwards and backwards (training step, old "
-    "and reference log-probabilities; `moerl sft`'s training step too) and the rollout "
+    "key), `rollout.merge_adapter: false`, and `lora.train_router` and `lora.train_norms` "
+    "off. It runs the learner's forwards and backwards (training step, old and reference "
+    "log-probabilities; `moerl sft`'s training step too; with `learner.ranks` > 1 every rank "
+    "on a GPU of its host, the MoE layers exchanging rows over MPI) and the rollout "
     "workers' engine (prefill, decode and sampling, with the KV cache in device memory) on "
     "the GPU; the loss, AdamW and evaluation stay on the CPU. A model the GPU path cannot run "
     "(multi-head latent attention, sigmoid or group-limited routers, shared experts, fp8 "

@@ -9,8 +9,11 @@
 #include "core/status.h"
 
 #ifdef MOERL_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
 #include "actor/model_cuda.h"
 #include "core/backend.h"
+#include "core/comm.h"
 #include "core/cuda/backend_cuda.h"
 #endif
 
@@ -25,6 +28,22 @@ struct actor_exec {
     int route_cap;   /* tokens route holds */
 };
 
+#ifdef MOERL_HAVE_CUDA
+/* With expert parallelism the ranks on one host take the visible GPUs in turn (local rank
+ * modulo their count; ranks may share one). Without devices the upload says so. */
+static int select_rank_device(const model_t *m) {
+    int n = 0;
+    if (!m->comm || comm_size(m->comm) < 2 || cudaGetDeviceCount(&n) != cudaSuccess || n < 1)
+        return MO_OK;
+    int ord = comm_local_rank(m->comm) % n, rc = backend_cuda_select_device(ord);
+    if (rc == MO_ESTATE) /* the backend is already bound (this process used it before) */
+        return MO_OK;
+    return rc < 0 ? mo_error_wrap(rc, "run.device: cuda: rank %d's GPU %d",
+                                  comm_rank(m->comm), ord)
+                  : MO_OK;
+}
+#endif
+
 int actor_exec_new(actor_exec_t **out, model_t *m, device_t dev) {
     *out = NULL;
     if (!m)
@@ -37,6 +56,8 @@ int actor_exec_new(actor_exec_t **out, model_t *m, device_t dev) {
                          "run.device: cuda: this build has no CUDA backend (configure with "
                          "-DMOERL_CUDA=ON on a machine with the CUDA Toolkit), use cpu");
 #else
+    if (dev == DEV_CUDA)
+        TRY(select_rank_device(m));
     if (dev == DEV_CUDA && m->opts.aux_coef > 0.0f)
         return mo_errorf(MO_ECONFIG,
                          "run.device: cuda: the balance loss (aux_coef %g > 0) is not formed by "
@@ -114,8 +135,28 @@ void actor_exec_describe(const actor_exec_t *x, char *buf, size_t cap) {
 }
 
 #ifdef MOERL_HAVE_CUDA
+/* The loads of every layer (and the token count after them) summed over the ranks of
+ * expert parallelism, as moe_ep_forward's stats describe the global batch (collective). */
+static int global_loads(model_t *m, int64_t *T) {
+    if (!m->comm || comm_size(m->comm) < 2)
+        return MO_OK;
+    size_t ME = (size_t)m->n_moe * m->E;
+    int64_t *v = malloc(sizeof *v * (ME + 1));
+    if (!v)
+        return mo_errorf(MO_ENOMEM, "actor_exec: out of memory for the expert loads");
+    for (int l = 0; l < m->n_moe; l++)
+        memcpy(v + (size_t)l * m->E, m->stats[l].load, sizeof *v * (size_t)m->E);
+    v[ME] = *T;
+    int rc = comm_allreduce_sum(m->comm, v, v, ME + 1, DT_I64);
+    for (int l = 0; rc == MO_OK && l < m->n_moe; l++)
+        memcpy(m->stats[l].load, v + (size_t)l * m->E, sizeof *v * (size_t)m->E);
+    *T = v[ME];
+    free(v);
+    return rc;
+}
+
 /* model_t.stats from the experts used, as the host forward records them. */
-static void set_stats(model_t *m, const uint16_t *route, int T) {
+static int set_stats(model_t *m, const uint16_t *route, int T) {
     int M = m->n_moe, E = m->E, K = m->K;
     for (int l = 0; l < M; l++) {
         model_moe_stats_t *s = &m->stats[l];
@@ -128,12 +169,18 @@ static void set_stats(model_t *m, const uint16_t *route, int T) {
                 if (e < E)
                     s->load[e]++;
             }
-        int64_t mx = 0, n = (int64_t)T * K;
+    }
+    int64_t Tg = T;
+    TRY(global_loads(m, &Tg));
+    for (int l = 0; l < M; l++) {
+        model_moe_stats_t *s = &m->stats[l];
+        int64_t mx = 0, n = Tg * K;
         for (int e = 0; e < E; e++)
             mx = s->load[e] > mx ? s->load[e] : mx;
         s->imbalance = n > 0 ? (float)((double)mx * E / (double)n) : 0.0f;
         s->aux_loss = 0.0f;
     }
+    return MO_OK;
 }
 
 static int route_ready(actor_exec_t *x, int T) {
@@ -166,9 +213,7 @@ static int forward_cuda(actor_exec_t *x, const model_batch_t *b, float *logp, fl
                              "was bound since");
         TRY(model_cuda_logprobs(x->mc, &bb, logp, entropy, use_adapter));
     }
-    if (m->n_moe > 0)
-        set_stats(m, bb.routing, b->T);
-    return MO_OK;
+    return m->n_moe > 0 ? set_stats(m, bb.routing, b->T) : MO_OK;
 }
 #endif
 

@@ -26,8 +26,11 @@ typedef struct actor_exec actor_exec_t;
  * trains) alive, while *out is used. DEV_CUDA: m's bound adapter is uploaded with the
  * weights; MO_ECONFIG in a build without the CUDA backend, for a model feature or adapter
  * that model_cuda refuses (the reason named: MLA, sigmoid or group-limited routers, shared
- * experts, fp8 weights, expert parallelism, trainable routers or norms), or for a balance
- * loss (model_opts_t.aux_coef > 0); MO_EDEVICE without a usable CUDA device. */
+ * experts, fp8 weights, trainable routers or norms), or for a balance loss
+ * (model_opts_t.aux_coef > 0); MO_EDEVICE without a usable CUDA device. With expert
+ * parallelism (model_set_comm before this) the upload holds this rank's experts and its
+ * MoE layers exchange rows over m's communicator (actor/model_cuda.h); the ranks on one
+ * host take the visible GPUs in turn (local rank modulo their count). */
 int actor_exec_new(actor_exec_t **out, model_t *m, device_t dev);
 /* Frees the device copy; safe on NULL and *x == NULL. */
 void actor_exec_destroy(actor_exec_t **x);
@@ -38,7 +41,8 @@ device_t actor_exec_device(const actor_exec_t *x);
  * the device the bound adapter must be the uploaded one (MO_ESTATE otherwise).
  * for_backward = 0 scores with the bound adapter, or the base model when none is bound
  * (the reference policy). On the device, model_t.stats' load and imbalance of each MoE
- * layer are set from the experts used (prob_mean and aux_loss are not formed). */
+ * layer are set from the experts used, summed over the ranks under expert parallelism
+ * (a collective call then, as model_forward is); prob_mean and aux_loss are not formed. */
 int actor_exec_forward(actor_exec_t *x, const model_batch_t *b, float *logp, float *entropy,
                        int for_backward);
 

@@ -6,7 +6,10 @@
  * with the routers and norms trained in full (replicated); the whole adapter
  * gathered on rank 0 equals the single-rank one; a checkpoint written by 2 ranks resumes
  * on one rank and on all N ranks to the same adapter and trains on identically; per-rank
- * expert weight memory is 1 / N; E not a multiple of N is refused naming both. Every
+ * expert weight memory is 1 / N; E not a multiple of N is refused naming both. In builds
+ * with CUDA (and as host_mpi_learner_ep over the host twins of the device blocks) the
+ * sharded trainer also runs on the device (run.device: cuda), with and without routing
+ * replay, KL and entropy, against the same CPU rank. Every
  * rank runs the suite; the process exits non-zero when any rank failed. */
 #include <math.h>
 #include <mpi.h>
@@ -14,7 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef MOERL_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "core/comm.h"
+#include "learner/actor_exec.h"
 #include "learner/checkpoint.h"
 #include "learner/ep_shard.h"
 #include "tests/learner_fixture.h"
@@ -246,8 +254,9 @@ static void step_both(trainer_t *ref, trainer_t *ep, sample_group_t **g, int k) 
 }
 
 /* Three optimizer steps, sharded over every rank against one rank; full: the routers
- * and norms trained in full too (replicated, gradients summed over the ranks). */
-static void run_equal(int replay, int kl_entropy, int full) {
+ * and norms trained in full too (replicated, gradients summed over the ranks); cuda: the
+ * sharded trainer's model on the CUDA device (the reference stays on the CPU). */
+static void run_equal_on(int replay, int kl_entropy, int full, int cuda) {
     lf_t f;
     lf_open(&f);
     lf_set(&f, "learner.minibatches", "1");
@@ -272,8 +281,11 @@ static void run_equal(int replay, int kl_entropy, int full) {
         lf_set(&f, "learner.weight_decay", "0.1"); /* the routers decay, the norms do not */
     }
     trainer_t *ref = lf_trainer(&f);
+    if (cuda)
+        lf_set(&f, "run.device", "cuda");
     trainer_t *ep = ep_trainer(&f, g_c);
     CU_ASSERT_EQUAL_FATAL(trainer_ranks(ep), g_size);
+    CU_ASSERT_EQUAL(actor_exec_device(ep->exec), cuda ? DEV_CUDA : DEV_CPU);
     CU_ASSERT_EQUAL(ep->adapter->n_full, ref->adapter->n_full);
     CU_ASSERT_EQUAL(ep->optim.n_nd, ref->optim.n_nd);
     if (full)
@@ -298,6 +310,10 @@ static void run_equal(int replay, int kl_entropy, int full) {
     trainer_destroy(&ep);
     trainer_destroy(&ref);
     lf_close(&f);
+}
+
+static void run_equal(int replay, int kl_entropy, int full) {
+    run_equal_on(replay, kl_entropy, full, 0);
 }
 
 static void test_train_equal(void) {
@@ -455,6 +471,32 @@ static void test_uneven_experts(void) {
     lf_close(&f);
 }
 
+#ifdef MOERL_HAVE_CUDA
+/* 1 when every rank sees a CUDA device (the host twins see one), else 0 after saying why
+ * the device cases are skipped (collective). */
+static int all_have_device(void) {
+    int n = 0;
+    int64_t none = cudaGetDeviceCount(&n) != cudaSuccess || n < 1;
+    CU_ASSERT_EQUAL_FATAL(comm_allreduce_sum(g_c, &none, &none, 1, DT_I64), 0);
+    if (none && g_rank == 0)
+        printf("\n  %lld rank(s) without a CUDA device: the device case is skipped\n",
+               (long long)none);
+    return none == 0;
+}
+
+/* The sharded trainer on the device (its MoE layers exchange rows over the MPI comm,
+ * staged through host memory) against one CPU rank. */
+static void test_train_equal_cuda(void) {
+    if (all_have_device())
+        run_equal_on(0, 0, 0, 1);
+}
+
+static void test_train_equal_cuda_replay_kl(void) {
+    if (all_have_device())
+        run_equal_on(1, 1, 0, 1);
+}
+#endif
+
 static CU_TestInfo g_tests[] = {
     {"train_equal", test_train_equal},
     {"train_equal_replay_kl", test_train_equal_replay_kl},
@@ -464,8 +506,27 @@ static CU_TestInfo g_tests[] = {
     {"checkpoint_reshard", test_checkpoint_reshard},
     {"checkpoint_reshard_full", test_checkpoint_reshard_full},
     {"uneven_experts", test_uneven_experts},
+#ifdef MOERL_HAVE_CUDA
+    {"train_equal_cuda", test_train_equal_cuda},
+    {"train_equal_cuda_replay_kl", test_train_equal_cuda_replay_kl},
+#endif
     CU_TEST_INFO_NULL,
 };
+
+#ifdef MOERL_HAVE_CUDA
+static CU_TestInfo g_device_tests[] = {
+    {"train_equal_cuda", test_train_equal_cuda},
+    {"train_equal_cuda_replay_kl", test_train_equal_cuda_replay_kl},
+    CU_TEST_INFO_NULL,
+};
+#endif
+
+/* The host twin (tests/host_cuda) runs the device cases only: the rest is the CPU suite's. */
+#ifdef MOERL_HOST_TWIN
+#define DEVICE_CASES_ONLY 1
+#else
+#define DEVICE_CASES_ONLY 0
+#endif
 
 int main(void) {
     if (comm_init_from_env(&g_c, "auto") < 0) {
@@ -474,7 +535,12 @@ int main(void) {
     }
     g_rank = comm_rank(g_c);
     g_size = comm_size(g_c);
-    int64_t failed = tu_main("mpi_learner_ep", g_tests) != 0;
+#ifdef MOERL_HAVE_CUDA
+    CU_TestInfo *tests = DEVICE_CASES_ONLY ? g_device_tests : g_tests;
+#else
+    CU_TestInfo *tests = g_tests;
+#endif
+    int64_t failed = tu_main("mpi_learner_ep", tests) != 0;
     /* Every rank exits with the verdict of all ranks. */
     if (comm_allreduce_sum(g_c, &failed, &failed, 1, DT_I64) < 0) {
         fprintf(stderr, "mpi_learner_ep rank %d: %s\n", g_rank, mo_last_error());

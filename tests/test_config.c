@@ -251,10 +251,6 @@ static const error_case_t error_cases[] = {
      "run:\n  seed: 3\n  device: cuda\n",
      {"cases/x.yaml:3: run.device: cuda: this build has no CUDA backend", "use cpu"}},
 #endif
-    {"cuda device with expert parallelism",
-     "run:\n  device: cuda\nlearner:\n  ranks: 2\n",
-     {"cases/x.yaml:4: learner.ranks: cuda runs the learner on one GPU",
-      "(learner.ranks = 2) runs on the CPU only"}},
     {"cuda device with trainable norms",
      "run:\n  device: cuda\nlora:\n  train_norms: true\n",
      {"cases/x.yaml:4: lora.train_norms: cuda trains LoRA adapters only"}},

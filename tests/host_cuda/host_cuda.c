@@ -95,6 +95,10 @@ void backend_cuda_pool_stats(cuda_pool_stats_t *s) {
     s->allocs = g_allocs;
 }
 
+int backend_cuda_select_device(int ordinal) {
+    return ordinal < 0 ? mo_errorf(MO_EINVAL, "host twin: device %d", ordinal) : MO_OK;
+}
+
 void *backend_cuda_stream(void) {
     return NULL; /* the host twin runs in order */
 }
