@@ -147,7 +147,7 @@ static void test_ranks_through_mpirun(void) {
 }
 
 /* run.device cuda: without the CUDA backend the config check refuses it at once, naming
- * the file and the key; in any build, expert parallelism with it is refused. */
+ * the file and the key; in any build, a merged rollout adapter with it is refused. */
 static void test_device_cuda(void) {
     char extra[4096];
     it_knobs_t k = it_knobs_default();
@@ -164,9 +164,10 @@ static void test_device_cuda(void) {
     const char *learner[] = {exe, "learner", j.config, NULL};
     expect_fail(run_to_end(&j, "learner.out", learner), "job.yaml:", no_cuda);
 #endif
-    const char *ep[] = {exe, "learner", j.config, "--set", "learner.ranks=2", NULL};
-    expect_fail(run_to_end(&j, "ep.out", ep), "learner.ranks: cuda runs the learner on one GPU",
-                NULL);
+    const char *merged[] = {exe, "learner", j.config, "--set", "rollout.merge_adapter=true",
+                            NULL};
+    expect_fail(run_to_end(&j, "merged.out", merged),
+                "rollout.merge_adapter: cuda runs the rollout engine's adapter unmerged", NULL);
     it_close(&j);
 }
 
