@@ -285,146 +285,193 @@ static int row_lo(const int32_t *pos, int i, int window) {
     return (window > 0 && pos[i] - window + 1 > 0) ? pos[i] - window + 1 : 0;
 }
 
-/* si (H, n), head-major: si[h, j - lo] = scale * q_h . k_j for one row's own keys j0 ..
- * lo + n - 1 (qi its H queries), block by block, all kv heads of a block in turn (one
+/* The new rows' keys and values (N, Hkv, Dh), stored by the task that attends over them. */
+typedef struct kv_new {
+    const float *k, *v;
+} kv_new_t;
+
+/* One call: out (N, H, Dh) from the rows' queries q (N, H, Dh); kn the rows' new keys and
+ * values to store first (NULL: already stored). */
+typedef struct call {
+    float *out;
+    const float *q;
+    const kv_new_t *kn;
+    const kv_cache_t *c;
+    const kv_seq_t *const *seqs;
+    const int32_t *pos;
+    int l, H, window;
+    float scale;
+} call_t;
+
+/* One task: rows r0 .. r1-1, kv heads k0 .. k1-1. The rows hold blocks b0 .. b1-1 in
+ * common, each full and inside every row's range (b0 = b1 = 0: none shared). */
+typedef struct task {
+    int r0, r1, k0, k1, b0, b1;
+} task_t;
+
+/* sh[g, x] (row stride n) = scale * q_g . k_(o + x) for x < cnt: the G queries qh (G, Dh)
+ * of one kv head against slots o .. o + cnt - 1 of a block's keys kh (Dh, BS). acc: (G,
+ * BS) scratch. */
+static void head_scores(float *sh, size_t n, const float *qh, const float *kh, int G, int Dh,
+                        int BS, int o, int cnt, float scale, float *acc) {
+    block_dots_g(acc, qh, (size_t)Dh, G, kh, Dh, BS);
+    for (int g = 0; g < G; g++)
+        for (int x = 0; x < cnt; x++)
+            sh[(size_t)g * n + x] = scale * acc[(size_t)g * BS + o + x];
+}
+
+/* si (H, n), head-major: si[h, j - lo] = scale * q_h . k_j for row i's keys j0 .. j1-1 (its
+ * range lo .. lo + n - 1), block by block, the task's kv heads of a block in turn (one
  * sequential read of the block's keys). acc: (G, BS) scratch. */
-static void row_scores(float *si, const float *qi, const kv_cache_t *c, int l, const kv_seq_t *seq,
-                       int j0, int lo, int n, int H, int k0, int k1, float scale, float *acc) {
-    int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
-    for (int j = j0; j < lo + n;) {
-        int b = j / BS, o = j % BS;
-        int cnt = BS - o < lo + n - j ? BS - o : lo + n - j;
-        const float *kb = kv_k_block(c, l, seq->blocks[b]);
-        for (int kvh = k0; kvh < k1; kvh++) {
-            block_dots_g(acc, qi + (size_t)kvh * G * Dh, (size_t)Dh, G,
-                         kb + (size_t)kvh * Dh * BS, Dh, BS);
-            for (int g = 0; g < G; g++) {
-                float *sg = si + (size_t)(kvh * G + g) * n + (size_t)(j - lo);
-                for (int t = 0; t < cnt; t++)
-                    sg[t] = scale * acc[(size_t)g * BS + o + t];
-            }
-        }
+static void row_scores(const call_t *a, const task_t *t, int i, float *si, int j0, int j1,
+                       float *acc) {
+    const kv_cache_t *c = a->c;
+    int Dh = c->Dh, BS = c->block_tokens, G = a->H / c->Hkv;
+    int lo = row_lo(a->pos, i, a->window), n = a->pos[i] - lo + 1;
+    const float *qi = a->q + (size_t)i * a->H * Dh;
+    for (int j = j0; j < j1;) {
+        int o = j % BS, cnt = BS - o < j1 - j ? BS - o : j1 - j;
+        const float *kb = kv_k_block(c, a->l, a->seqs[i]->blocks[j / BS]);
+        for (int kvh = t->k0; kvh < t->k1; kvh++)
+            head_scores(si + (size_t)kvh * G * n + (size_t)(j - lo), (size_t)n,
+                        qi + (size_t)kvh * G * Dh, kb + (size_t)kvh * Dh * BS, G, Dh, BS, o, cnt,
+                        a->scale, acc);
         j += cnt;
     }
 }
 
-/* oi (H, Dh) += one row's own values j0 .. lo + n - 1 weighted by its probabilities si
- * (H, n), block by block, all kv heads of a block in turn. */
-static void row_values(float *oi, const float *si, const kv_cache_t *c, int l, const kv_seq_t *seq,
-                       int j0, int lo, int n, int H, int k0, int k1) {
-    int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
-    for (int j = j0; j < lo + n;) {
-        int b = j / BS, off = j % BS;
-        int cnt = BS - off < lo + n - j ? BS - off : lo + n - j;
-        const float *vb = kv_v_block(c, l, seq->blocks[b]);
-        for (int kvh = k0; kvh < k1; kvh++)
+/* row_scores of the task's shared blocks for all its rows (s: their score rows in turn):
+ * each kv head's keys of a block read once for every row's queries. */
+static void shared_scores(const call_t *a, const task_t *t, float *s, float *acc) {
+    const kv_cache_t *c = a->c;
+    int Dh = c->Dh, BS = c->block_tokens, G = a->H / c->Hkv;
+    for (int b = t->b0; b < t->b1; b++) {
+        const float *kb = kv_k_block(c, a->l, a->seqs[t->r0]->blocks[b]);
+        for (int kvh = t->k0; kvh < t->k1; kvh++) {
+            float *si = s;
+            for (int i = t->r0; i < t->r1; i++) {
+                int lo = row_lo(a->pos, i, a->window), n = a->pos[i] - lo + 1;
+                head_scores(si + (size_t)kvh * G * n + (size_t)(b * BS - lo), (size_t)n,
+                            a->q + ((size_t)i * a->H + (size_t)kvh * G) * Dh,
+                            kb + (size_t)kvh * Dh * BS, G, Dh, BS, 0, BS, a->scale, acc);
+                si += (size_t)a->H * n;
+            }
+        }
+    }
+}
+
+/* Row i's output (H, Dh) += its values j0 .. j1-1 weighted by its probabilities si (H, n),
+ * block by block, the task's kv heads of a block in turn. */
+static void row_values(const call_t *a, const task_t *t, int i, const float *si, int j0, int j1) {
+    const kv_cache_t *c = a->c;
+    int Dh = c->Dh, BS = c->block_tokens, G = a->H / c->Hkv;
+    int lo = row_lo(a->pos, i, a->window), n = a->pos[i] - lo + 1;
+    float *oi = a->out + (size_t)i * a->H * Dh;
+    for (int j = j0; j < j1;) {
+        int off = j % BS, cnt = BS - off < j1 - j ? BS - off : j1 - j;
+        const float *vb = kv_v_block(c, a->l, a->seqs[i]->blocks[j / BS]);
+        for (int kvh = t->k0; kvh < t->k1; kvh++)
             block_values_g(oi + (size_t)kvh * G * Dh, si + (size_t)kvh * G * n + (j - lo),
                            (size_t)n, G, vb + ((size_t)kvh * BS + off) * Dh, cnt, Dh);
         j += cnt;
     }
 }
 
-/* The new rows' keys and values (N, Hkv, Dh), stored by the task that attends over them. */
-typedef struct kv_new {
-    const float *k, *v;
-} kv_new_t;
-
-/* Rows r0 .. r1-1 that hold the same first S blocks (full and inside every row's
- * range), kv heads k0 .. k1-1; with kn, the rows' new keys and values are stored first. The shared blocks' keys and values are read once for all the rows' queries;
- * each row's arithmetic is the same as on its own. Scores: row i's (H, n_i), head-major,
- * after the rows before it. */
-static void group_task(float *out, const float *q, const kv_new_t *kn, const kv_cache_t *c,
-                       int l, const kv_seq_t *const *seqs, const int32_t *pos, int r0, int r1,
-                       int S, int H, int k0, int k1, float scale, int window) {
-    int Dh = c->Dh, BS = c->block_tokens, G = H / c->Hkv;
-    size_t sq = (size_t)H * (size_t)Dh, tot = 0;
-    for (int i = r0; kn && i < r1; i++)
-        kv_write_heads(c, seqs[i], l, pos[i], kn->k + (size_t)i * c->row,
-                       kn->v + (size_t)i * c->row, k0, k1);
-    for (int i = r0; i < r1; i++)
-        tot += (size_t)H * (size_t)(pos[i] - row_lo(pos, i, window) + 1);
-    /* scores, then (G, BS) */
-    float *s = cpu_scratch_floats(ATTN_SCRATCH_SLOT, tot + (size_t)G * BS);
-    float *acc = s + tot;
-    /* scores: shared blocks for all rows (S > 0 only without a window: lo = 0) */
-    for (int b = 0; b < S; b++) {
-        const float *kb = kv_k_block(c, l, seqs[r0]->blocks[b]);
-        for (int kvh = k0; kvh < k1; kvh++) {
-            float *si = s;
-            for (int i = r0; i < r1; i++) {
-                int n = pos[i] + 1;
-                block_dots_g(acc, q + (size_t)i * sq + (size_t)kvh * G * Dh, (size_t)Dh, G,
-                             kb + (size_t)kvh * Dh * BS, Dh, BS);
-                for (int g = 0; g < G; g++) {
-                    float *sg = si + (size_t)(kvh * G + g) * n + (size_t)b * BS;
-                    for (int t = 0; t < BS; t++)
-                        sg[t] = scale * acc[(size_t)g * BS + t];
-                }
-                si += (size_t)H * n;
+/* row_values of the task's shared blocks for all its rows (s: their probabilities in
+ * turn): each kv head's values of a block read once for every row. */
+static void shared_values(const call_t *a, const task_t *t, const float *s) {
+    const kv_cache_t *c = a->c;
+    int Dh = c->Dh, BS = c->block_tokens, G = a->H / c->Hkv;
+    for (int b = t->b0; b < t->b1; b++) {
+        const float *vb = kv_v_block(c, a->l, a->seqs[t->r0]->blocks[b]);
+        for (int kvh = t->k0; kvh < t->k1; kvh++) {
+            const float *si = s;
+            for (int i = t->r0; i < t->r1; i++) {
+                int lo = row_lo(a->pos, i, a->window), n = a->pos[i] - lo + 1;
+                block_values_g(a->out + ((size_t)i * a->H + (size_t)kvh * G) * Dh,
+                               si + (size_t)kvh * G * n + (size_t)(b * BS - lo), (size_t)n, G,
+                               vb + (size_t)kvh * BS * Dh, BS, Dh);
+                si += (size_t)a->H * n;
             }
         }
     }
-    /* then each row's own, and the softmax */
-    float *si = s;
-    for (int i = r0; i < r1; i++) {
-        int lo = row_lo(pos, i, window), n = pos[i] - lo + 1;
-        int j0 = S * BS > lo ? S * BS : lo;
-        row_scores(si, q + (size_t)i * sq, c, l, seqs[i], j0, lo, n, H, k0, k1, scale, acc);
-        for (int h = k0 * G; h < k1 * G; h++)
+}
+
+/* Each of the task's rows' values over its own blocks: those before the shared ones
+ * (after 0; the row's output zeroed first) or those after them (after 1). s: the rows'
+ * probabilities in turn. */
+static void own_values(const call_t *a, const task_t *t, const float *s, int after) {
+    int Dh = a->c->Dh, BS = a->c->block_tokens, G = a->H / a->c->Hkv;
+    const float *si = s;
+    for (int i = t->r0; i < t->r1; i++) {
+        int lo = row_lo(a->pos, i, a->window), n = a->pos[i] - lo + 1;
+        if (!after) {
+            memset(a->out + ((size_t)i * a->H + (size_t)t->k0 * G) * Dh, 0,
+                   sizeof(float) * (size_t)(t->k1 - t->k0) * G * Dh);
+            row_values(a, t, i, si, lo, t->b0 * BS);
+        } else {
+            row_values(a, t, i, si, t->b1 * BS > lo ? t->b1 * BS : lo, lo + n);
+        }
+        si += (size_t)a->H * n;
+    }
+}
+
+/* A task's rows, its kv heads: with a->kn, the rows' new keys and values are stored first.
+ * The shared blocks are read once for all the rows; each row sees its blocks in order
+ * with the same arithmetic as on its own. Scores: row i's (H, n_i), head-major, after the
+ * rows before it. */
+static void group_task(const call_t *a, const task_t *t) {
+    const kv_cache_t *c = a->c;
+    int BS = c->block_tokens, G = a->H / c->Hkv, H = a->H;
+    size_t tot = 0;
+    for (int i = t->r0; a->kn && i < t->r1; i++)
+        kv_write_heads(c, a->seqs[i], a->l, a->pos[i], a->kn->k + (size_t)i * c->row,
+                       a->kn->v + (size_t)i * c->row, t->k0, t->k1);
+    for (int i = t->r0; i < t->r1; i++)
+        tot += (size_t)H * (size_t)(a->pos[i] - row_lo(a->pos, i, a->window) + 1);
+    /* scores, then (G, BS) */
+    float *s = cpu_scratch_floats(ATTN_SCRATCH_SLOT, tot + (size_t)G * BS), *acc = s + tot;
+    shared_scores(a, t, s, acc);
+    float *si = s; /* each row's own blocks before and after the shared ones; the softmax */
+    for (int i = t->r0; i < t->r1; i++) {
+        int lo = row_lo(a->pos, i, a->window), n = a->pos[i] - lo + 1;
+        row_scores(a, t, i, si, lo, t->b0 * BS, acc);
+        row_scores(a, t, i, si, t->b1 * BS > lo ? t->b1 * BS : lo, lo + n, acc);
+        for (int h = t->k0 * G; h < t->k1 * G; h++)
             softmax_row(si + (size_t)h * n, n);
         si += (size_t)H * n;
     }
-    /* values: shared blocks for all rows, then each row's own */
-    for (int i = r0; i < r1; i++)
-        memset(out + (size_t)i * sq + (size_t)k0 * G * Dh, 0,
-               sizeof(float) * (size_t)(k1 - k0) * G * Dh);
-    for (int b = 0; b < S; b++) {
-        const float *vb = kv_v_block(c, l, seqs[r0]->blocks[b]);
-        for (int kvh = k0; kvh < k1; kvh++) {
-            si = s;
-            for (int i = r0; i < r1; i++) {
-                int n = pos[i] + 1;
-                block_values_g(out + (size_t)i * sq + (size_t)kvh * G * Dh,
-                               si + (size_t)kvh * G * n + (size_t)b * BS, (size_t)n, G,
-                               vb + (size_t)kvh * BS * Dh, BS, Dh);
-                si += (size_t)H * n;
-            }
-        }
-    }
-    si = s;
-    for (int i = r0; i < r1; i++) {
-        int lo = row_lo(pos, i, window), n = pos[i] - lo + 1;
-        int j0 = S * BS > lo ? S * BS : lo;
-        row_values(out + (size_t)i * sq, si, c, l, seqs[i], j0, lo, n, H, k0, k1);
-        si += (size_t)H * n;
-    }
+    /* values, in each row's block order */
+    own_values(a, t, s, 0);
+    shared_values(a, t, s);
+    own_values(a, t, s, 1);
 }
 
-/* The leading blocks rows r0 .. r1-1 all hold, full and inside every row's range. */
-static int shared_blocks(const kv_cache_t *c, const kv_seq_t *const *seqs, const int32_t *pos,
-                         int r0, int r1, int window) {
-    if (r1 - r0 < 2 || window > 0)
-        return 0;
-    int S = seqs[r0]->n_blocks;
-    for (int i = r0; i < r1; i++) {
-        int full = (pos[i] + 1) / c->block_tokens;
-        S = full < S ? full : S;
-        for (int b = 0; b < S; b++)
-            if (seqs[i]->blocks[b] != seqs[r0]->blocks[b])
-                S = b;
+/* Sets t's shared blocks: the leading blocks all its rows hold, from the first inside
+ * every row's range to the last full one of every row; none for a single row. */
+static void shared_blocks(const call_t *a, task_t *t) {
+    int BS = a->c->block_tokens, b0 = 0, b1 = a->seqs[t->r0]->n_blocks;
+    for (int i = t->r0; i < t->r1; i++) {
+        int first = (row_lo(a->pos, i, a->window) + BS - 1) / BS, full = (a->pos[i] + 1) / BS;
+        b0 = first > b0 ? first : b0;
+        b1 = full < b1 ? full : b1;
+        for (int b = 0; b < b1; b++)
+            if (a->seqs[i]->blocks[b] != a->seqs[t->r0]->blocks[b])
+                b1 = b;
     }
-    return S;
+    int shared = t->r1 - t->r0 > 1 && b1 > b0;
+    t->b0 = shared ? b0 : 0;
+    t->b1 = shared ? b1 : 0;
 }
 
-static void decode_attention(float *out, const float *q, const kv_new_t *kn, const kv_cache_t *c,
-                             int l, const kv_seq_t *const *seqs, const int32_t *pos, int N, int H,
-                             float scale, int window) {
-    int Hkv = c->Hkv;
-    MO_ASSERT(H > 0 && H % Hkv == 0 && window >= 0 && l >= 0 && l < c->L);
+static void decode_attention(const call_t *a, int N) {
+    int Hkv = a->c->Hkv, H = a->H;
+    MO_ASSERT(H > 0 && H % Hkv == 0 && a->window >= 0 && a->l >= 0 && a->l < a->c->L);
+    const kv_seq_t *const *seqs = a->seqs;
     size_t work = 0;
     for (int i = 0; i < N; i++) {
-        MO_ASSERT(pos[i] >= 0 && pos[i] < seqs[i]->len);
-        work += (size_t)(pos[i] + 1) * (size_t)H;
+        MO_ASSERT(a->pos[i] >= 0 && a->pos[i] < seqs[i]->len);
+        work += (size_t)(a->pos[i] + 1) * (size_t)H;
     }
     /* Groups: runs of adjacent rows whose sequences start with the same block (the
      * samples of one prompt), at most GROUP_MAX rows. start (n_groups + 1). */
@@ -445,17 +492,17 @@ static void decode_attention(float *out, const float *q, const kv_new_t *kn, con
 #pragma omp parallel for schedule(dynamic, 1) if (work > PAR_MIN)
     for (int t = 0; t < ng * parts; t++) {
         int gi = t / parts, p = t % parts;
-        int r0 = start[gi], r1 = start[gi + 1];
-        int S = shared_blocks(c, seqs, pos, r0, r1, window);
-        group_task(out, q, kn, c, l, seqs, pos, r0, r1, S, H, p * Hkv / parts,
-                   (p + 1) * Hkv / parts, scale, window);
+        task_t tk = {start[gi], start[gi + 1], p * Hkv / parts, (p + 1) * Hkv / parts, 0, 0};
+        shared_blocks(a, &tk);
+        group_task(a, &tk);
     }
 }
 
 void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
                          const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
                          int window) {
-    decode_attention(out, q, NULL, c, l, seqs, pos, N, H, scale, window);
+    call_t a = {out, q, NULL, c, seqs, pos, l, H, window, scale};
+    decode_attention(&a, N);
 }
 
 void attn_decode_store_forward(float *out, const float *q, const float *k, const float *v,
@@ -465,7 +512,8 @@ void attn_decode_store_forward(float *out, const float *q, const float *k, const
     for (int i = 1; i < N; i++)
         MO_ASSERT(seqs[i] != seqs[i - 1]);
     kv_new_t kn = {k, v};
-    decode_attention(out, q, &kn, c, l, seqs, pos, N, H, scale, window);
+    call_t a = {out, q, &kn, c, seqs, pos, l, H, window, scale};
+    decode_attention(&a, N);
 }
 
 /* Slots scored at once by attn_decode_latent (a block is taken in chunks of this). */

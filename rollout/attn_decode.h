@@ -21,12 +21,13 @@ extern "C" {
  * 0), the same keys causal attention over the whole sequence gives that token. Rows of
  * one sequence may appear several times (a chunk of new tokens).
  * Adjacent rows whose sequences hold the same leading blocks (the samples of one prompt
- * after kv_seq_fork) are attended together, up to 16 rows: each shared block's keys and
- * values are read once for all their queries instead of once per row. A row's arithmetic
- * is the same either way (scores per block, values added block by block in order), so its
- * result does not depend on the other rows. Work is split over groups (all kv heads of a
- * block read together), or (group, kv heads) parts when groups are fewer than twice the
- * threads, each part written by one thread: the same bits on any thread count. */
+ * after kv_seq_fork) are attended together, up to 16 rows: each shared block (full, and
+ * inside every row's window) has its keys and values read once for all their queries
+ * instead of once per row. A row's arithmetic is the same either way (scores per block,
+ * values added block by block in order), so its result does not depend on the other rows.
+ * Work is split over groups (all kv heads of a block read together), or (group, kv heads)
+ * parts when groups are fewer than twice the threads, each part written by one thread: the
+ * same bits on any thread count. */
 void attn_decode_forward(float *out, const float *q, const kv_cache_t *c, int l,
                          const kv_seq_t *const *seqs, const int32_t *pos, int N, int H, float scale,
                          int window);

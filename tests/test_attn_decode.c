@@ -1,7 +1,8 @@
 /* Tests for rollout/attn_decode: attention of new rows over a paged KV cache against the
  * packed causal attention kernel (GQA, sliding windows, sequences spanning several
- * blocks, shared blocks after a fork, one row per sequence and whole chunks), the
- * store-and-attend call, and the same bits on one and two threads. */
+ * blocks, shared blocks after a fork, one row per sequence and whole chunks), rows
+ * attended in groups over shared blocks against each row alone, the store-and-attend
+ * call, and the same bits on one and two threads. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -181,6 +182,101 @@ static void test_shared_prefix_batch(void) {
     fx_free(&f);
 }
 
+/* dst becomes a fork of src grown to len, its new positions holding keys and values of
+ * its own (from seed). */
+static void fork_grown(fx_t *f, kv_seq_t *dst, const kv_seq_t *src, int len, uint64_t seed,
+                       int64_t *budget) {
+    CU_ASSERT_EQUAL_FATAL(kv_seq_fork(&f->c, dst, src, budget), 0);
+    int from = dst->len;
+    CU_ASSERT_EQUAL_FATAL(kv_seq_grow(&f->c, dst, len, budget), 0);
+    float k[HKV * DH], v[HKV * DH];
+    for (int p = from; p < len; p++) {
+        tu_fill(k, HKV * DH, seed + 2 * (uint64_t)p, -1.5f, 1.5f);
+        tu_fill(v, HKV * DH, seed + 2 * (uint64_t)p + 1, -1.0f, 1.0f);
+        kv_write(&f->c, dst, 1, p, k, v);
+    }
+}
+
+/* The n rows (seqs, pos, queries q) attended together, on 1 and 2 threads, give each row
+ * the bits it gets attended alone. */
+static void check_rows_alone(const kv_cache_t *c, const kv_seq_t *const *seqs, const int32_t *pos,
+                             int n, const float *q, int window) {
+    size_t row = (size_t)H * DH;
+    float *out = malloc(sizeof(float) * row * (size_t)n), alone[H * DH];
+    int threads = backend_cpu_threads(), same = 1;
+    for (int r = 1; r <= 2; r++) {
+        backend_cpu_set_threads(r);
+        tu_poison(out, row * (size_t)n);
+        attn_decode_forward(out, q, c, 1, seqs, pos, n, H, 0.35f, window);
+        for (int i = 0; i < n; i++) {
+            tu_poison(alone, H * DH);
+            attn_decode_forward(alone, q + (size_t)i * row, c, 1, seqs + i, pos + i, 1, H, 0.35f,
+                                window);
+            same &= memcmp(alone, out + (size_t)i * row, sizeof alone) == 0;
+        }
+    }
+    backend_cpu_set_threads(threads);
+    if (!same)
+        tu_report("window %d: a row differs from the row alone", window);
+    CU_ASSERT(same);
+    free(out);
+}
+
+/* Groups of forks that share leading blocks and then go on with blocks of their own (of
+ * different lengths, some rows inside the shared blocks), runs of forks longer than one
+ * group, and rows that share nothing between them: every row's output is the bits it gets
+ * alone, with and without sliding windows, on 1 and 2 threads. */
+static void test_shared_groups(void) {
+    fx_t f;
+    fx_init(&f, 0);
+    enum { NX = 17, NR = NX + 8 };
+    kv_seq_t forks[NX + 5];
+    memset(forks, 0, sizeof forks);
+    int64_t budget = 48;
+    CU_ASSERT_EQUAL_FATAL(kv_cache_reserve(&f.c, budget), 1);
+    fork_grown(&f, &forks[0], &f.s[1], 14, 100, &budget);
+    fork_grown(&f, &forks[1], &f.s[1], 9, 200, &budget);
+    fork_grown(&f, &forks[2], &f.s[2], 31, 300, &budget);
+    fork_grown(&f, &forks[3], &f.s[2], 26, 400, &budget);
+    fork_grown(&f, &forks[4], &f.s[2], 22, 500, &budget);
+    for (int k = 0; k < NX; k++)
+        fork_grown(&f, &forks[5 + k], &f.s[2], 22 + k % 3, 600 + 100 * (uint64_t)k, &budget);
+    /* sequence 0 alone, sequence 1 with a fork, sequence 2 with a fork, then the other
+     * fork of sequence 1 between them, then the rest of sequence 2's forks */
+    const kv_seq_t *seqs[NR] = {
+        &f.s[0], &f.s[1], &forks[0], &f.s[2], &forks[2], &forks[1], &forks[3], &forks[4],
+    };
+    int32_t pos[NR];
+    for (int i = 0; i < NR; i++) {
+        if (i >= 8)
+            seqs[i] = &forks[5 + i - 8];
+        pos[i] = seqs[i]->len - 1;
+    }
+    pos[6] = 12; /* inside the shared blocks */
+    pos[9] = 5;
+    /* then three groups of sequence 2's family alone, enough work for two threads: fewer
+     * groups than twice the threads, so each group's kv heads are split between tasks */
+    enum { NFAM = NX + 4, NG = 48 };
+    const kv_seq_t *fam[NG];
+    int32_t fpos[NG];
+    for (int i = 0; i < NG; i++) {
+        int k = i % NFAM;
+        fam[i] = k == 0 ? &f.s[2] : &forks[1 + k]; /* forks 2 .. NX + 4 */
+        fpos[i] = fam[i]->len - 1;
+    }
+    float q[NG * H * DH];
+    tu_fill(q, NG * H * DH, 11, -1.5f, 1.5f);
+    const int windows[] = {0, 1, 3, 6, 13, 64};
+    for (size_t w = 0; w < sizeof windows / sizeof windows[0]; w++) {
+        check_rows_alone(&f.c, seqs, pos, NR, q, windows[w]);
+        check_rows_alone(&f.c, fam, fpos, NG, q, windows[w]);
+    }
+    for (int k = 0; k < NX + 5; k++)
+        kv_seq_release(&f.c, &forks[k]);
+    kv_cache_unreserve(&f.c, budget);
+    fx_free(&f);
+}
+
 /* attn_decode_store_forward stores each row's new key and value at its position, then
  * gives the bits attn_decode_forward gives over the stored cache, on 1 and 2 threads (with
  * fewer groups than twice the threads, a group's kv heads are split among tasks). */
@@ -235,6 +331,7 @@ int main(void) {
         {"last rows, shuffled, 1 vs 2 threads", test_last_rows_threads},
         {"forked sequence", test_forked_sequence},
         {"forks batched over shared blocks", test_shared_prefix_batch},
+        {"groups sharing leading blocks vs each row alone", test_shared_groups},
         {"store and attend in one call, 1 and 2 threads", test_store_forward},
         CU_TEST_INFO_NULL,
     };
