@@ -873,8 +873,8 @@ static void prefill_start(engine_t *e, eng_group_t **gs, int B, const int32_t *c
  * last rows of the forward's hidden states x (N, D). */
 static int prefill_finish(engine_t *e, eng_group_t **gs, int B, int S, const int32_t *cu,
                           const float *x, const uint16_t *routing) {
-    int D = e->m->D, n_jobs = 0, *seq;
-    eng_sample_t **smp;
+    int D = e->m->D, n_jobs = 0, *seq = NULL;
+    eng_sample_t **smp = NULL;
     float *xl; /* (S, D) the last row of each sequence */
     ALLOC(xl, &e->step_ar, (size_t)S * D);
     for (int i = 0; i < S; i++)
@@ -890,8 +890,8 @@ static int prefill_finish(engine_t *e, eng_group_t **gs, int B, int S, const int
 static int prefill_device(engine_t *e, eng_group_t **gs, int B, int N, int S,
                           const int32_t *tokens, const int32_t *cu, kv_seq_t *const *seqs,
                           uint16_t *routing) {
-    int n_jobs = 0, *seq, *rc;
-    eng_sample_t **smp;
+    int n_jobs = 0, *seq = NULL, *rc;
+    eng_sample_t **smp = NULL;
     int32_t *tok;
     float *lp;
     TRY(prefill_jobs(e, gs, B, &seq, &smp, &n_jobs));
