@@ -784,8 +784,7 @@ static int attention(model_cuda_t *mc, int l, const mc_acts_t *a, int T, int B, 
     return proj(mc, mc->s.o, a->xa_o, a->att, &ly->wo, ad ? &ly->lo : NULL, T, qd, D);
 }
 
-/* The experts (or dense MLP) table of ly, without its adapters when ad is 0. */
-static moe_cuda_experts_t experts_of(const mc_layer_t *ly, int ad) {
+moe_cuda_experts_t mc_experts_of(const mc_layer_t *ly, int ad) {
     moe_cuda_experts_t w = ly->ex;
     if (!ad) {
         w.lora_gate.A = NULL;
@@ -824,7 +823,7 @@ static int moe(model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T
     if (mc->ep) { /* expert parallelism: the rows go to their experts' ranks and back */
         TRY(mc_ep_experts_forward(mc, ly, a->yg, s->xg, mc->cur_plan->offsets, ad));
     } else {
-        moe_cuda_experts_t w = experts_of(ly, ad);
+        moe_cuda_experts_t w = mc_experts_of(ly, ad);
         moe_cuda_acts_t e = mc_expert_acts(a, &w);
         TRY(moe_cuda_experts_forward(a->yg, &e, s->xg, mc->cur_plan->offsets, E, S, &w, D, ly->F));
     }
@@ -833,7 +832,7 @@ static int moe(model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T
 
 /* mc->s.o (T, D) = the dense SwiGLU MLP on a->ln2, as one expert owning every row. */
 static int dense(const model_cuda_t *mc, const mc_layer_t *ly, const mc_acts_t *a, int T, int ad) {
-    moe_cuda_experts_t w = experts_of(ly, ad);
+    moe_cuda_experts_t w = mc_experts_of(ly, ad);
     moe_cuda_acts_t e = mc_expert_acts(a, &w);
     return moe_cuda_experts_forward(mc->s.o, &e, a->ln2, mc->id->off1, 1, T, &w, mc->D, ly->F);
 }

@@ -29,6 +29,18 @@ static int cmp_i64(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+int mc_shared_block(int64_t *w, size_t n, int *o1, int *o2, int *blk) {
+    qsort(w, n, sizeof *w, cmp_i64);
+    for (size_t i = 1; i < n; i++)
+        if (w[i] >> 32 == w[i - 1] >> 32) {
+            *o1 = (int)(w[i - 1] & 0xffffffff);
+            *o2 = (int)(w[i] & 0xffffffff);
+            *blk = (int)(w[i] >> 32);
+            return 1;
+        }
+    return 0;
+}
+
 /* No two rows write the same block: the block holding each row's pos, sorted with its row. */
 static int check_writes(const model_cuda_decode_t *b, const char *fn) {
     int64_t *w = malloc(sizeof *w * (size_t)b->N);
@@ -38,15 +50,12 @@ static int check_writes(const model_cuda_decode_t *b, const char *fn) {
         int32_t blk = b->block_tables[(size_t)i * b->max_blocks + b->pos[i] / b->BS];
         w[i] = (int64_t)blk << 32 | (int64_t)i;
     }
-    qsort(w, (size_t)b->N, sizeof *w, cmp_i64);
-    int rc = MO_OK;
-    for (int i = 1; i < b->N && rc == MO_OK; i++)
-        if (w[i] >> 32 == w[i - 1] >> 32)
-            rc = mo_errorf(MO_EINVAL,
-                           "%s: rows %d and %d both store their new token in block %d (every "
-                           "row must be a different sequence, in a block only it holds)",
-                           fn, (int)(w[i - 1] & 0xffffffff), (int)(w[i] & 0xffffffff),
-                           (int)(w[i] >> 32));
+    int r1 = 0, r2 = 0, blk = 0, rc = MO_OK;
+    if (mc_shared_block(w, (size_t)b->N, &r1, &r2, &blk))
+        rc = mo_errorf(MO_EINVAL,
+                       "%s: rows %d and %d both store their new token in block %d (every row "
+                       "must be a different sequence, in a block only it holds)",
+                       fn, r1, r2, blk);
     free(w);
     return rc;
 }
@@ -212,17 +221,22 @@ static int decode_step(model_cuda_t *mc, const model_cuda_decode_t *b, int sampl
     if (b->N == 0)
         return MO_OK;
     int rc = run(mc, b, sample ? NULL : logits, sample ? req : NULL, use_adapter, fn);
+    return mc_paged_finish(mc, rc, sample ? b->N : 0, token, logp, status, b->routing, b->N, fn);
+}
+
+int mc_paged_finish(model_cuda_t *mc, int rc, int n_draws, int32_t *token, float *logp,
+                    int32_t *status, uint16_t *routing, int N, const char *fn) {
     mc->attend = NULL;
     memset(&mc->kv, 0, sizeof mc->kv);
-    if (rc == MO_OK && sample)
-        rc = mc_download_samples(mc, b->N, token, logp, status, fn);
+    if (rc == MO_OK && n_draws > 0)
+        rc = mc_download_samples(mc, n_draws, token, logp, status, fn);
     if (rc < 0)
         return mc_fail(mc, rc, fn);
-    if (b->routing) {
+    if (routing) {
         model_batch_t rb;
         memset(&rb, 0, sizeof rb);
-        rb.T = b->N;
-        rb.routing = b->routing;
+        rb.T = N;
+        rb.routing = routing;
         TRY(mc_routing_out(mc, mc->did.route, &rb, fn));
     }
     return MO_OK;

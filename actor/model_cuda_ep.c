@@ -260,17 +260,6 @@ static moe_cuda_plan_t ungroup(const ep_xchg_t *x) {
     return p;
 }
 
-/* The layer's experts table without its adapters when ad is 0. */
-static moe_cuda_experts_t experts(const mc_layer_t *ly, int ad) {
-    moe_cuda_experts_t w = ly->ex;
-    if (!ad) {
-        w.lora_gate.A = NULL;
-        w.lora_up.A = NULL;
-        w.lora_down.A = NULL;
-    }
-    return w;
-}
-
 static moe_cuda_acts_t acts_for(const ep_xchg_t *x, const moe_cuda_experts_t *w) {
     moe_cuda_acts_t a = x->acts;
     a.xa_gate = w->lora_gate.A ? a.xa_gate : NULL;
@@ -291,7 +280,7 @@ int mc_ep_experts_forward(model_cuda_t *mc, const mc_layer_t *ly, float *yg, con
     TRY(xchg_ready(mc, x, ly));
     TRY(xchg(mc, ep->buf, x->rc, x->rd, xg, x->sc, x->sd, DT_F32));
     TRY(moe_cuda_dispatch_forward(x->xe, ep->buf, &x->grp, D));
-    moe_cuda_experts_t w = experts(ly, ad);
+    moe_cuda_experts_t w = mc_experts_of(ly, ad);
     moe_cuda_acts_t a = acts_for(x, &w);
     TRY(moe_cuda_experts_forward(ep->y, &a, x->xe, x->grp.offsets, ep->n, x->R, &w, D, ly->F));
     moe_cuda_plan_t back = ungroup(x);

@@ -182,6 +182,16 @@ int mc_plan_ready(const model_cuda_t *mc, moe_cuda_plan_t *plan, int *plan_T, in
 /* The expert blocks' activation pointers of layer activations a (the LoRA inputs only for
  * the adapted projections of w). */
 moe_cuda_acts_t mc_expert_acts(const mc_acts_t *a, const moe_cuda_experts_t *w);
+/* The experts (or dense MLP) table of ly, without its adapters when ad is 0. */
+moe_cuda_experts_t mc_experts_of(const mc_layer_t *ly, int ad);
+/* Sorts w (n entries, each a block << 32 | its holder) and finds a block with two holders:
+ * 1 with them (o1, o2) and the block, 0 when every block has one (model_cuda_decode.c). */
+int mc_shared_block(int64_t *w, size_t n, int *o1, int *o2, int *blk);
+/* The end of a step over the paged cache (decode or prefill) whose device work returned
+ * rc: the attention core back to the scoring forward's, then n_draws draws (token, logp,
+ * status) and the N rows' routing (when routing) copied out; a failure through mc_fail. */
+int mc_paged_finish(model_cuda_t *mc, int rc, int n_draws, int32_t *token, float *logp,
+                    int32_t *status, uint16_t *routing, int N, const char *fn);
 /* model_forward's checks of b (and of its replay), messages prefixed by fn. */
 int mc_check_batch(const model_cuda_t *mc, const model_batch_t *b, const float *logp,
                    const char *fn);

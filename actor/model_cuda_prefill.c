@@ -85,11 +85,6 @@ static int check_prompt(const model_cuda_prefill_t *b, int s, const char *fn) {
     return MO_OK;
 }
 
-static int cmp_i64(const void *x, const void *y) {
-    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
-    return (a > b) - (a < b);
-}
-
 /* No block named twice: every covered table entry, sorted with its prompt. */
 static int check_blocks(const model_cuda_prefill_t *b, const char *fn) {
     size_t n = 0, cap = (size_t)b->S * b->max_blocks;
@@ -101,15 +96,12 @@ static int check_blocks(const model_cuda_prefill_t *b, const char *fn) {
         for (int j = 0; j < nb; j++)
             w[n++] = (int64_t)b->block_tables[(size_t)s * b->max_blocks + j] << 32 | s;
     }
-    qsort(w, n, sizeof *w, cmp_i64);
-    int rc = MO_OK;
-    for (size_t i = 1; i < n && rc == MO_OK; i++)
-        if (w[i] >> 32 == w[i - 1] >> 32)
-            rc = mo_errorf(MO_EINVAL,
-                           "%s: prompts %d and %d both hold block %d (every prompt needs blocks "
-                           "of its own)",
-                           fn, (int)(w[i - 1] & 0xffffffff), (int)(w[i] & 0xffffffff),
-                           (int)(w[i] >> 32));
+    int p1 = 0, p2 = 0, blk = 0, rc = MO_OK;
+    if (mc_shared_block(w, n, &p1, &p2, &blk))
+        rc = mo_errorf(MO_EINVAL,
+                       "%s: prompts %d and %d both hold block %d (every prompt needs blocks of "
+                       "its own)",
+                       fn, p1, p2, blk);
     free(w);
     return rc;
 }
@@ -238,20 +230,7 @@ int model_cuda_prefill_sample(model_cuda_t *mc, const model_cuda_prefill_t *b,
     TRY(check_prefill(mc, b, req && token && logp && status, fn));
     TRY(mc_check_use_adapter(mc, use_adapter, fn));
     int rc = run(mc, b, req, use_adapter, fn);
-    mc->attend = NULL;
-    memset(&mc->kv, 0, sizeof mc->kv);
-    if (rc == MO_OK && b->n_jobs > 0)
-        rc = mc_download_samples(mc, b->n_jobs, token, logp, status, fn);
-    if (rc < 0)
-        return mc_fail(mc, rc, fn);
-    if (b->routing) {
-        model_batch_t rb;
-        memset(&rb, 0, sizeof rb);
-        rb.T = b->N;
-        rb.routing = b->routing;
-        TRY(mc_routing_out(mc, mc->did.route, &rb, fn));
-    }
-    return MO_OK;
+    return mc_paged_finish(mc, rc, b->n_jobs, token, logp, status, b->routing, b->N, fn);
 }
 
 /* ------------------------------------------------------------------------ */
