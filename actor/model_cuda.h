@@ -235,8 +235,8 @@ int model_cuda_prefill_sample(model_cuda_t *mc, const model_cuda_prefill_t *b,
  * MO_EINVAL for NB or BS < 1, MO_ENOMEM naming the bytes. */
 int model_cuda_kv_alloc(model_cuda_t *mc, int NB, int BS, float **kv);
 /* Copies block src of the upload's KV cache to block dst in every layer (the partial last
- * block of a prompt that kv_seq_fork gave to a new sample): one strided device-to-device
- * copy (core/cuda/attn_decode.h's cuda_kv_copy_block), queued on the calling thread's
+ * block of a prompt that kv_seq_fork gave to a new sample): one device kernel over the
+ * layers (core/cuda/attn_decode.h's cuda_kv_copy_block), queued on the calling thread's
  * stream with no host sync. MO_EINVAL for a block outside [0, NB) or without a cache
  * (model_cuda_kv_alloc). */
 int model_cuda_kv_copy_block(model_cuda_t *mc, int32_t src, int32_t dst);

@@ -384,6 +384,16 @@ extern "C" int cuda_kv_store(float *cache, const float *k, const float *v, int L
     return cuda_launched("launch of store_kernel", __FILE__, __LINE__);
 }
 
+/* One thread per float of the block in every layer (layer: NB blk floats apart). */
+static __global__ void copy_block_kernel(float *cache, size_t layer, size_t blk, size_t src,
+                                         size_t dst, long long n) {
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n;
+         e += (long long)gridDim.x * blockDim.x) {
+        const size_t l = (size_t)e / blk, j = (size_t)e % blk;
+        cache[l * layer + dst * blk + j] = cache[l * layer + src * blk + j];
+    }
+}
+
 extern "C" int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int src, int dst) {
     TRY(cuda_enter());
     if (!cache || L < 1 || NB < 1 || blk < 1 || src < 0 || src >= NB || dst < 0 || dst >= NB)
@@ -393,9 +403,10 @@ extern "C" int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int s
                          src, dst, L, NB, blk);
     if (src == dst)
         return MO_OK;
-    const size_t pitch = sizeof(float) * (size_t)NB * blk;
-    DEC_TRY(cudaMemcpy2DAsync(cache + (size_t)dst * blk, pitch, cache + (size_t)src * blk, pitch,
-                              sizeof(float) * blk, (size_t)L, cudaMemcpyDeviceToDevice,
-                              cuda_stream()));
-    return MO_OK;
+    /* A kernel, not cudaMemcpy2DAsync: a layer of a large cache is more bytes apart than
+     * the copy's largest pitch allows. */
+    const long long n = (long long)L * (long long)blk;
+    copy_block_kernel<<<cuda_grid((size_t)n, 256), 256, 0, cuda_stream()>>>(
+        cache, (size_t)NB * blk, blk, (size_t)src, (size_t)dst, n);
+    return cuda_launched("launch of copy_block_kernel", __FILE__, __LINE__);
 }

@@ -66,9 +66,10 @@ int cuda_attn_decode(float *out, const float *q, const float *k_new, const float
 int cuda_kv_store(float *cache, const float *k, const float *v, int L, int NB, int BS, int Hkv,
                   int Dh, int l, const int32_t *slot, int N);
 
-/* Block src of every layer copied to block dst (blk = 2 BS Hkv Dh floats each): one strided
- * copy over the L layers, queued on the calling thread's stream. MO_EINVAL for a block
- * outside [0, NB) or a bad shape, MO_EDEVICE when the copy fails. */
+/* Block src of every layer copied to block dst (blk = 2 BS Hkv Dh floats each): one kernel
+ * over the L layers (a layer of a large cache lies further apart than a strided copy's
+ * pitch may), queued on the calling thread's stream. MO_EINVAL for a block outside
+ * [0, NB) or a bad shape, MO_EDEVICE when the launch fails. */
 int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int src, int dst);
 
 #ifdef __cplusplus

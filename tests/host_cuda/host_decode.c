@@ -127,7 +127,7 @@ int cuda_kv_store(float *cache, const float *k, const float *v, int L, int NB, i
     return MO_OK;
 }
 
-/* cudaMemcpy2DAsync's rows: one memmove per layer. */
+/* The device kernel's copy: one memmove per layer. */
 int cuda_kv_copy_block(float *cache, int L, int NB, size_t blk, int src, int dst) {
     if (!cache || L < 1 || NB < 1 || blk < 1 || src < 0 || src >= NB || dst < 0 || dst >= NB)
         return mo_errorf(MO_EINVAL,
