@@ -580,13 +580,17 @@ int mc_logits_rows(const model_cuda_t *mc, int T) {
     return r < T ? r : T;
 }
 
+size_t mc_expert_rows(const model_cuda_t *mc, int T) {
+    size_t S = mc->n_moe ? (size_t)T * mc->K : 0;
+    return mc->dense && (size_t)T > S ? (size_t)T : S;
+}
+
 /* Carves the buffers for T tokens of B sequences; returns the bytes. */
 static size_t scratch_layout(const model_cuda_t *mc, mc_scratch_t *s, char *base, int T, int B) {
     mc_bump_t b = {base, 0};
     size_t TD = (size_t)T * mc->D, qd = (size_t)T * mc->H * mc->Dh;
     size_t kvd = (size_t)T * mc->Hkv * mc->Dh, S = (size_t)T * mc->K;
-    size_t rows_ex = mc->n_moe ? S : 0;
-    rows_ex = mc->dense && (size_t)T > rows_ex ? (size_t)T : rows_ex;
+    size_t rows_ex = mc_expert_rows(mc, T);
     size_t R = (size_t)(mc->R > 0 ? mc->R : 1);
     mc_ids_layout(mc, &b, &s->id, T, B);
     MC_BUMP(s->x, &b, TD);

@@ -182,6 +182,9 @@ int mc_plan_ready(const model_cuda_t *mc, moe_cuda_plan_t *plan, int *plan_T, in
 /* The expert blocks' activation pointers of layer activations a (the LoRA inputs only for
  * the adapted projections of w). */
 moe_cuda_acts_t mc_expert_acts(const mc_acts_t *a, const moe_cuda_experts_t *w);
+/* Rows the expert blocks of a T-token batch may hold: T K slots when some layer is MoE,
+ * at least T when some layer is a dense MLP. */
+size_t mc_expert_rows(const model_cuda_t *mc, int T);
 /* The experts (or dense MLP) table of ly, without its adapters when ad is 0. */
 moe_cuda_experts_t mc_experts_of(const mc_layer_t *ly, int ad);
 /* Sorts w (n entries, each a block << 32 | its holder) and finds a block with two holders:

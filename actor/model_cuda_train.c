@@ -117,8 +117,7 @@ static size_t train_layout(const model_cuda_t *mc, mc_train_t *tr, char *base, i
     mc_bump_t b = {base, 0};
     size_t TD = (size_t)T * mc->D, qd = (size_t)T * mc->H * mc->Dh;
     size_t kvd = (size_t)T * mc->Hkv * mc->Dh, S = (size_t)T * mc->K;
-    size_t rows_ex = mc->n_moe ? S : 0;
-    rows_ex = mc->dense && (size_t)T > rows_ex ? (size_t)T : rows_ex;
+    size_t rows_ex = mc_expert_rows(mc, T);
     mc_ids_layout(mc, &b, &tr->id, T, B);
     MC_BUMP(tr->x0, &b, TD);
     for (int l = 0; l < mc->L; l++) {
