@@ -1,6 +1,7 @@
 /* amx_matmul: f32 x bf16 products on AMX tiles with exactly split activations. */
 #include "rollout/amx_matmul.h"
 
+#include <omp.h>
 #include <string.h>
 
 #include "core/cpu/cpu_kernels.h"
@@ -518,6 +519,123 @@ void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16
     }
 }
 
+/* A piece of a grouped product: at most ROW_CHUNK rows r0 .. r0 + T - 1 of one group,
+ * its split activations at xa (Tp rows), its tiles from tile0 on in the split pass. */
+typedef struct piece {
+    const uint16_t *w;
+    uint16_t *xa;
+    int r0, T, Tp, tile0;
+} piece_t;
+
+/* The groups' pieces into ps (room for one per ROW_CHUNK rows of each group), their split
+ * activations laid out from xa; returns the count, *ntile the tiles in all. */
+static int make_pieces(piece_t *ps, uint16_t *xa, const amx_group_t *g, int ng, int C,
+                       int *ntile) {
+    int np = 0, tiles = 0;
+    for (int i = 0; i < ng; i++)
+        for (int t0 = 0; t0 < g[i].T; t0 += ROW_CHUNK) {
+            int T = g[i].T - t0 < ROW_CHUNK ? g[i].T - t0 : ROW_CHUNK;
+            int Tp = (T + TR - 1) / TR * TR;
+            ps[np++] = (piece_t){g[i].w, xa, g[i].r0 + t0, T, Tp, tiles};
+            xa += 3 * (size_t)Tp * (size_t)C;
+            tiles += Tp / TR;
+        }
+    *ntile = tiles;
+    return np;
+}
+
+/* This thread's share of the n items (item i weighs wt(i)): those whose running sum of
+ * weights starts in its part of the total, so the threads get about equal work and each a
+ * run of neighbouring items (pieces' rows stay in the cache that split them). */
+static void my_items(const piece_t *ps, int npair, int n, int *lo, int *hi) {
+    int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    long long total = 0;
+    for (int i = 0; i < n; i++)
+        total += ps[i / npair].Tp;
+    long long a = total * t / nt, b = total * (t + 1) / nt, run = 0;
+    *lo = *hi = n;
+    for (int i = 0; i < n; i++) {
+        if (run >= a && *lo == n)
+            *lo = i;
+        if (run >= b) {
+            *hi = i;
+            break;
+        }
+        run += ps[i / npair].Tp;
+    }
+    if (*hi < *lo)
+        *hi = *lo;
+}
+
+/* The grouped product: every piece's activations split (the threads share the tiles),
+ * then every (piece, pair of output blocks) as packed_pair, in one parallel region. */
+static void groups_run(const amx_out_t *outs, const pblock_t *pbs, int nb, const float *inp,
+                       const amx_group_t *g, int ng, int C, int glu) {
+    int rows = 0, maxp = 0;
+    for (int i = 0; i < ng; i++) {
+        MO_ASSERT(g[i].T >= 0 && g[i].r0 >= 0);
+        rows += (g[i].T + TR - 1) / TR * TR + TR;
+        maxp += (g[i].T + ROW_CHUNK - 1) / ROW_CHUNK;
+    }
+    if (maxp == 0)
+        return;
+    uint16_t *xa = (uint16_t *)cpu_scratch_floats(0, 3 * (size_t)rows * (size_t)C / 2);
+    piece_t *ps = (piece_t *)cpu_scratch_floats(2, (sizeof(piece_t) * (size_t)maxp + 3) / 4);
+    int ntile, np = make_pieces(ps, xa, g, ng, C, &ntile);
+    int npair = (nb + 1) / 2, nitem = np * npair, nKB = C / KB;
+    int par = (size_t)rows * (size_t)C * (size_t)nb * TR > PAR_MIN && nitem > 1;
+#pragma omp parallel if (par)
+    {
+        int p = 0;
+#pragma omp for schedule(static)
+        for (int i = 0; i < ntile; i++) {
+            while (p + 1 < np && ps[p + 1].tile0 <= i)
+                p++;
+            while (ps[p].tile0 > i)
+                p--;
+            split_block16_a(ps[p].xa, inp + (size_t)ps[p].r0 * C, ps[p].T, i - ps[p].tile0, C);
+        }
+        /* (the loop's barrier: every split is written before the tiles read it) */
+        tiles_on();
+        int lo, hi;
+        my_items(ps, npair, nitem, &lo, &hi);
+        for (int i = lo; i < hi; i++) {
+            const piece_t *pc = &ps[i / npair];
+            int q = i % npair;
+            const uint16_t *wnext = q + 1 < npair ? pc->w + (size_t)(2 * q + 2) * nKB * TILE_BF16
+                                    : i + 1 < nitem ? ps[i / npair + 1].w
+                                                    : NULL;
+            packed_pair(outs, pbs, 2 * q, 2 * q + 1 < nb ? 2 * q + 1 : -1, pc->w, wnext, pc->xa,
+                        pc->r0, pc->T, pc->Tp, C, glu);
+        }
+        tiles_off();
+    }
+}
+
+void amx_matmul_packed_groups(float *out, const float *inp, const amx_group_t *g, int ng, int C,
+                              int OC) {
+    MO_ASSERT(amx_ok && ng >= 0 && C > 0 && C % KB == 0 && OC > 0);
+    int nb = (OC + TR - 1) / TR;
+    pblock_t *pbs = (pblock_t *)cpu_scratch_floats(1, 2 * (size_t)nb);
+    for (int b = 0; b < nb; b++)
+        pbs[b] = (pblock_t){0, b * TR};
+    amx_out_t o = {out, NULL, OC};
+    groups_run(&o, pbs, nb, inp, g, ng, C, 0);
+}
+
+void amx_matmul_glu_groups(float *h, float *gt, float *u, const float *inp, const amx_group_t *g,
+                           int ng, int C, int F) {
+    MO_ASSERT(amx_ok && ng >= 0 && C > 0 && C % KB == 0 && F > 0 && (h || (gt && u)));
+    int nb = 2 * ((F + TR - 1) / TR);
+    pblock_t *pbs = (pblock_t *)cpu_scratch_floats(1, 2 * (size_t)nb);
+    for (int j = 0; j < nb / 2; j++) {
+        pbs[2 * j] = (pblock_t){0, j * TR};
+        pbs[2 * j + 1] = (pblock_t){1, j * TR};
+    }
+    amx_out_t outs[2] = {{h ? h : gt, NULL, F}, {u, NULL, F}};
+    groups_run(outs, pbs, nb, inp, g, ng, C, h != NULL);
+}
+
 void amx_matmul_force_off(int off) {
     amx_forced_off = off;
 }
@@ -542,6 +660,18 @@ void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16
                     int C, int F) {
     (void)h, (void)g, (void)u, (void)inp, (void)wp, (void)T, (void)C, (void)F;
     MO_ASSERT(!"amx_matmul_glu without AMX");
+}
+
+void amx_matmul_packed_groups(float *out, const float *inp, const amx_group_t *g, int ng, int C,
+                              int OC) {
+    (void)out, (void)inp, (void)g, (void)ng, (void)C, (void)OC;
+    MO_ASSERT(!"amx_matmul_packed_groups without AMX");
+}
+
+void amx_matmul_glu_groups(float *h, float *gt, float *u, const float *inp, const amx_group_t *g,
+                           int ng, int C, int F) {
+    (void)h, (void)gt, (void)u, (void)inp, (void)g, (void)ng, (void)C, (void)F;
+    MO_ASSERT(!"amx_matmul_glu_groups without AMX");
 }
 
 void amx_matmul_bf16(float *out, const float *inp, const uint16_t *w, const float *bias, int T,

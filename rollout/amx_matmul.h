@@ -87,6 +87,29 @@ void amx_pack_bf16_glu(uint16_t *dst, const uint16_t *gate, const uint16_t *up, 
 void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16_t *wp, int T,
                     int C, int F);
 
+/* One group of a grouped product: rows r0 .. r0 + T - 1 of the input and of the outputs,
+ * through the packed weights w. */
+typedef struct amx_group {
+    const uint16_t *w;
+    int r0, T;
+} amx_group_t;
+
+/* Grouped products, as a mixture of experts runs its experts on their dispatched rows:
+ * for each of the ng groups, its rows of out (rows, OC) = its rows of inp (rows, C) times
+ * its weights (amx_pack_bf16, OC outputs), each row's bits those amx_matmul_packed gives
+ * it. One parallel region for all the groups: the threads split every group's activations,
+ * then share the (group, pair of output blocks) products, about equal work each, instead
+ * of a region (and a split on one thread) per group. Groups may be empty; their rows must
+ * not overlap. Requires amx_matmul_available(); temporaries in scratch slots 0 to 2. */
+void amx_matmul_packed_groups(float *out, const float *inp, const amx_group_t *g, int ng, int C,
+                              int OC);
+
+/* The same for gate and up (amx_pack_bf16_glu weights, F outputs each): h (rows, F) =
+ * silu(g) * u when h is not NULL, else gt and u (rows, F), each row's bits those
+ * amx_matmul_glu gives it. */
+void amx_matmul_glu_groups(float *h, float *gt, float *u, const float *inp, const amx_group_t *g,
+                           int ng, int C, int F);
+
 /* Tests: 1 turns the tiles off for this process (amx_matmul_available() then answers 0,
  * as on a CPU without AMX), 0 turns them back on where the CPU has them. Not for use
  * while products run. */

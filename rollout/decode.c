@@ -670,6 +670,101 @@ static void record(uint16_t *routing, const int32_t *idx, int N, int M, int K, i
 
 static const rl_pack_t no_pack;
 
+/* The experts' groups for the grouped products, or 0 when an expert with rows lacks a
+ * packed copy standing in for its weights. *lora: some expert has an adapter. */
+static int expert_groups(amx_group_t *gu, amx_group_t *dn, const rl_layer_t *r,
+                         const int32_t *off, int E, int *lora) {
+    *lora = 0;
+    for (int e = 0; e < E; e++) {
+        int rows = off[e + 1] - off[e];
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        const wview_t *gu_v[2] = {&mw.gate, &mw.up}, *dn_v[1] = {&mw.down};
+        if (rows > 0 && !(r->exp_gu && pack_ok(&r->exp_gu[e], gu_v, 2, rows) && r->exp_down &&
+                          pack_ok(&r->exp_down[e], dn_v, 1, rows)))
+            return 0;
+        gu[e] = (amx_group_t){rows ? r->exp_gu[e].w : NULL, off[e], rows};
+        dn[e] = (amx_group_t){rows ? r->exp_down[e].w : NULL, off[e], rows};
+        *lora |= mw.lora_gate || mw.lora_up || mw.lora_down;
+    }
+    return 1;
+}
+
+/* The adapter a of an expert's module, if any, added to its rows of out (rows of inp). */
+static int expert_lora(const model_t *m, arena_t *ar, float *out, const float *inp,
+                       const lora_pair_t *a, int rows, int C, int OC) {
+    if (!a || rows == 0)
+        return MO_OK;
+    float *xa; /* (rows, R) */
+    ALLOC(xa, ar, (size_t)rows * a->R);
+    lora_forward(m->k, out, xa, inp, a, rows, C, OC);
+    return MO_OK;
+}
+
+/* yg (S, D) = every expert's MLP on its dispatched rows of xg (S, D), through the grouped
+ * products (one parallel region for all the experts' gate and up, one for their down;
+ * each row's bits those mlp_rows gives it); *done 0, and nothing computed, when an
+ * expert's weights have no packed copy. */
+static int experts_grouped(const model_t *m, arena_t *ar, float *yg, const float *xg,
+                           const rl_layer_t *r, const int32_t *off, int E, int *done) {
+    int D = m->D, F = r->moe_cfg.F, lora;
+    amx_group_t *gu, *dn;
+    ALLOC(gu, ar, (size_t)E);
+    ALLOC(dn, ar, (size_t)E);
+    *done = expert_groups(gu, dn, r, off, E, &lora);
+    if (!*done)
+        return MO_OK;
+    size_t S = (size_t)off[E];
+    float *h;
+    ALLOC(h, ar, S * F);
+    if (!lora) {
+        amx_matmul_glu_groups(h, NULL, NULL, xg, gu, E, D, F);
+    } else {
+        float *g, *u;
+        ALLOC(g, ar, S * F);
+        ALLOC(u, ar, S * F);
+        amx_matmul_glu_groups(NULL, g, u, xg, gu, E, D, F);
+        for (int e = 0; e < E; e++) {
+            mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+            size_t a = (size_t)off[e];
+            int rows = off[e + 1] - off[e];
+            TRY(expert_lora(m, ar, g + a * F, xg + a * D, mw.lora_gate, rows, D, F));
+            TRY(expert_lora(m, ar, u + a * F, xg + a * D, mw.lora_up, rows, D, F));
+        }
+        m->k->swiglu_forward(h, g, u, S * F);
+    }
+    amx_matmul_packed_groups(yg, h, dn, E, F, D);
+    for (int e = 0; lora && e < E; e++) {
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        size_t a = (size_t)off[e];
+        TRY(expert_lora(m, ar, yg + a * D, h + a * F, mw.lora_down, off[e + 1] - off[e], F, D));
+    }
+    return MO_OK;
+}
+
+/* yg (S, D) = every expert's MLP on its dispatched rows of xg (S, D), one expert after
+ * the other (mlp_rows). */
+static int experts_each(const model_t *m, arena_t *ar, float *yg, const float *xg,
+                        const rl_layer_t *r, const int32_t *off, int E) {
+    int D = m->D, F = r->moe_cfg.F, most = 0;
+    float *g, *u, *h;
+    for (int e = 0; e < E; e++)
+        if (off[e + 1] - off[e] > most)
+            most = off[e + 1] - off[e];
+    ALLOC(g, ar, (size_t)most * F);
+    ALLOC(u, ar, (size_t)most * F);
+    ALLOC(h, ar, (size_t)most * F);
+    for (int e = 0; e < E; e++) {
+        int rows = off[e + 1] - off[e];
+        if (rows == 0)
+            continue;
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        size_t at = (size_t)off[e] * D;
+        TRY(mlp_rows(m, ar, yg + at, xg + at, &mw, r->exp_gu ? &r->exp_gu[e] : &no_pack,
+                     r->exp_down ? &r->exp_down[e] : &no_pack, g, u, h, rows, D, F));
+    }
+    return MO_OK;
+}
+
 /* out (N, D) = the MoE block on the normed rows x, as moe_forward with natural routing
  * computes it (the same routing, dispatch and combine; each expert's gate and up as one
  * product where packed); *idx (N, K) receives the experts. */
@@ -692,22 +787,10 @@ static int moe_block(const model_t *m, arena_t *ar, float *out, const float *x, 
     ALLOC(xg, ar, S * D);
     ALLOC(yg, ar, S * D);
     moe_dispatch_forward(xg, x, &plan, D);
-    int most = 0;
-    for (int e = 0; e < E; e++)
-        if (plan.offsets[e + 1] - plan.offsets[e] > most)
-            most = plan.offsets[e + 1] - plan.offsets[e];
-    ALLOC(g, ar, (size_t)most * F);
-    ALLOC(u, ar, (size_t)most * F);
-    ALLOC(h, ar, (size_t)most * F);
-    for (int e = 0; e < E; e++) {
-        int rows = plan.offsets[e + 1] - plan.offsets[e];
-        if (rows == 0)
-            continue;
-        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
-        size_t at = (size_t)plan.offsets[e] * D;
-        TRY(mlp_rows(m, ar, yg + at, xg + at, &mw, r->exp_gu ? &r->exp_gu[e] : &no_pack,
-                     r->exp_down ? &r->exp_down[e] : &no_pack, g, u, h, rows, D, F));
-    }
+    int grouped = 0;
+    TRY(experts_grouped(m, ar, yg, xg, r, plan.offsets, E, &grouped));
+    if (!grouped)
+        TRY(experts_each(m, ar, yg, xg, r, plan.offsets, E));
     moe_combine_forward(out, yg, weight, &plan, D);
     if (c->n_shared > 0) {
         int Fs = c->n_shared * F;

@@ -257,6 +257,90 @@ static void test_glu(void) {
     glu_case(300, 32, 20, 620);
 }
 
+/* Grouped products (amx_matmul_packed_groups, amx_matmul_glu_groups) on groups of 0, 1,
+ * 17, 300 (more than one chunk), 64 and 5 rows with their own weights and a row between
+ * two groups that belongs to none: every group's rows the same bits as the per-group
+ * product, the free row untouched, on one and two threads (enough rows that two threads
+ * share the work). */
+enum { NG = 7, GC = 96, GOC = 40, GF = 48 };
+static const int g_rows[NG] = {0, 1, 17, 300, 0, 64, 5};
+
+static int group_layout(amx_group_t *g, uint16_t **wd, uint16_t **wglu, int *free_row) {
+    int r = 0;
+    for (int i = 0; i < NG; i++) {
+        if (i == 3)
+            *free_row = r++;
+        uint16_t *w = make_w(GOC, GC, 700 + (uint64_t)i), *wg = make_w(GF, GC, 720 + (uint64_t)i);
+        uint16_t *wu = make_w(GF, GC, 740 + (uint64_t)i);
+        wd[i] = malloc(sizeof(uint16_t) * amx_packed_elems(GOC, GC));
+        wglu[i] = malloc(sizeof(uint16_t) * 2 * amx_packed_elems(GF, GC));
+        amx_pack_bf16(wd[i], w, GOC, GC);
+        amx_pack_bf16_glu(wglu[i], wg, wu, GF, GC);
+        free(w), free(wg), free(wu);
+        g[i] = (amx_group_t){wd[i], r, g_rows[i]};
+        r += g_rows[i];
+    }
+    return r;
+}
+
+/* Per group, the ungrouped products into a (rows, OC), h, gt and u (rows, F). */
+static void groups_alone(float *a, float *h, float *gt, float *u, const float *x,
+                         const amx_group_t *g, uint16_t *const *wglu) {
+    for (int i = 0; i < NG; i++) {
+        if (g[i].T == 0)
+            continue;
+        size_t r0 = (size_t)g[i].r0;
+        amx_out_t o = {a + r0 * GOC, NULL, GOC};
+        amx_matmul_packed(&o, 1, x + r0 * GC, g[i].w, g[i].T, GC);
+        amx_matmul_glu(h + r0 * GF, NULL, NULL, x + r0 * GC, wglu[i], g[i].T, GC, GF);
+        amx_matmul_glu(NULL, gt + r0 * GF, u + r0 * GF, x + r0 * GC, wglu[i], g[i].T, GC, GF);
+    }
+}
+
+static void test_groups(void) {
+    if (!amx_matmul_available()) {
+        tu_report("no AMX: grouped products not run (the engine runs its experts one by one)");
+        return;
+    }
+    amx_group_t g[NG], gg[NG];
+    uint16_t *wd[NG], *wglu[NG];
+    int fr = 0, T = group_layout(g, wd, wglu, &fr);
+    for (int i = 0; i < NG; i++)
+        gg[i] = (amx_group_t){wglu[i], g[i].r0, g[i].T};
+    size_t no = (size_t)T * GOC, nf = (size_t)T * GF;
+    float *x = malloc(sizeof(float) * (size_t)T * GC);
+    float *a = malloc(sizeof(float) * no), *b = malloc(sizeof(float) * no);
+    float *buf[6]; /* h, gt, u alone; h, gt, u grouped */
+    for (int i = 0; i < 6; i++)
+        buf[i] = malloc(sizeof(float) * nf);
+    tu_fill(x, (size_t)T * GC, 760, -2.0f, 2.0f);
+    for (size_t i = 0; i < (size_t)T * GC; i += 5)
+        x[i] *= 1e-3f;
+    int threads = backend_cpu_threads();
+    for (int th = 1; th <= 2; th++) {
+        backend_cpu_set_threads(th);
+        tu_poison(a, no);
+        tu_poison(b, no);
+        for (int i = 0; i < 6; i++)
+            tu_poison(buf[i], nf);
+        groups_alone(a, buf[0], buf[1], buf[2], x, g, wglu);
+        amx_matmul_packed_groups(b, x, g, NG, GC, GOC);
+        amx_matmul_glu_groups(buf[3], NULL, NULL, x, gg, NG, GC, GF);
+        amx_matmul_glu_groups(NULL, buf[4], buf[5], x, gg, NG, GC, GF);
+        /* the free row stays poisoned on both sides, so whole buffers compare */
+        CU_ASSERT(memcmp(a, b, sizeof(float) * no) == 0);
+        for (int i = 0; i < 3; i++)
+            CU_ASSERT(memcmp(buf[i], buf[i + 3], sizeof(float) * nf) == 0);
+        CU_ASSERT(isnan(b[(size_t)fr * GOC]) && isnan(buf[3][(size_t)fr * GF + GF - 1]));
+    }
+    backend_cpu_set_threads(threads);
+    for (int i = 0; i < NG; i++)
+        free(wd[i]), free(wglu[i]);
+    for (int i = 0; i < 6; i++)
+        free(buf[i]);
+    free(x), free(a), free(b);
+}
+
 /* The packed layout itself: output 16 b + n, column 32 kb + 2 k2 + q at [b][kb][k2][n][q],
  * zeros past OC. */
 static void test_pack_layout(void) {
@@ -305,6 +389,7 @@ int main(void) {
         {"more rows than one chunk", test_row_chunks},
         {"packed weights: several outputs in one product", test_packed},
         {"packed layout", test_pack_layout},
+        {"grouped products: each group's bits, one region", test_groups},
         {"gate and up as one product, SwiGLU from the accumulators", test_glu},
         {"tiles forced off: the CPU kernel", test_forced_off},
         CU_TEST_INFO_NULL,
