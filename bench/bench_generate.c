@@ -14,6 +14,10 @@
  * the first S prompts' G samples one sequence at a time (batch 1, own prefill each).
  * Times include prefill, decode and sampling, not model loading. It also prints which
  * kernel runs the engine's products with bf16 weights (AMX tiles or the vector units).
+ * The peer's OpenMP threads sleep at once when idle (OMP_WAIT_POLICY=passive, unless the
+ * caller sets a policy for both): with threads that spin, PyTorch's and OpenBLAS's pools
+ * take the cores from each other and the peer runs about three times slower at two
+ * threads. The engine keeps OpenMP's default (spin briefly, then sleep).
  * --device cuda runs the engine on the GPU (engine_opts_t.device; builds with the CUDA
  * backend); the peer, which runs on the CPU, is then left out. */
 #include <math.h>
@@ -198,7 +202,10 @@ static int run_peer(const args_t *a, const char *model, const char *job, result_
                     int *total) {
     char peer[1024], cmd[4096];
     peer_path(peer, sizeof peer, a);
-    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=%d '%s' '%s' --model '%s' --job '%s'", a->threads,
+    snprintf(cmd, sizeof cmd,
+             "OMP_NUM_THREADS=%d OMP_WAIT_POLICY=\"${OMP_WAIT_POLICY:-passive}\" '%s' '%s' "
+             "--model '%s' --job '%s'",
+             a->threads,
              a->python, peer, model, job);
     FILE *p = popen(cmd, "r");
     if (!p)
