@@ -477,8 +477,8 @@ static void packed_chunk(const amx_out_t *outs, const pblock_t *pbs, int nb, con
         for (int q = 0; q < npair; q++) {
             const uint16_t *wnext =
                 q + 1 < npair ? wp + (size_t)(2 * q + 2) * (C / KB) * TILE_BF16 : NULL;
-            packed_pair(outs, pbs, 2 * q, 2 * q + 1 < nb ? 2 * q + 1 : -1, wp, wnext, xa, r0, T,
-                        Tp, C, glu);
+            packed_pair(outs, pbs, 2 * q, 2 * q + 1 < nb ? 2 * q + 1 : -1, wp, wnext, xa, r0, T, Tp,
+                        C, glu);
         }
         tiles_off();
     }
@@ -529,8 +529,7 @@ typedef struct piece {
 
 /* The groups' pieces into ps (room for one per ROW_CHUNK rows of each group), their split
  * activations laid out from xa; returns the count, *ntile the tiles in all. */
-static int make_pieces(piece_t *ps, uint16_t *xa, const amx_group_t *g, int ng, int C,
-                       int *ntile) {
+static int make_pieces(piece_t *ps, uint16_t *xa, const amx_group_t *g, int ng, int C, int *ntile) {
     int np = 0, tiles = 0;
     for (int i = 0; i < ng; i++)
         for (int t0 = 0; t0 < g[i].T; t0 += ROW_CHUNK) {
@@ -602,7 +601,7 @@ static void groups_run(const amx_out_t *outs, const pblock_t *pbs, int nb, const
         for (int i = lo; i < hi; i++) {
             const piece_t *pc = &ps[i / npair];
             int q = i % npair;
-            const uint16_t *wnext = q + 1 < npair ? pc->w + (size_t)(2 * q + 2) * nKB * TILE_BF16
+            const uint16_t *wnext = q + 1 < npair   ? pc->w + (size_t)(2 * q + 2) * nKB * TILE_BF16
                                     : i + 1 < nitem ? ps[i / npair + 1].w
                                                     : NULL;
             packed_pair(outs, pbs, 2 * q, 2 * q + 1 < nb ? 2 * q + 1 : -1, pc->w, wnext, pc->xa,

@@ -9,6 +9,7 @@
 #include "core/status.h"
 #include "moe/router.h"
 #include "rollout/amx_matmul.h"
+#include "rollout/lora_rows.h"
 #include "rollout/attn_decode.h"
 
 #define ALLOC(ptr, ar, n)                                                                          \
@@ -121,8 +122,7 @@ static size_t pack_layer(rl_layer_t *r, const model_t *m, uint16_t *buf) {
         at = pack_set(&r->o, buf, at, o, oc1, 1, qd);
     }
     if (!r->ly->moe)
-        return pack_mlp(&r->mlp_gu, &r->mlp_down, buf, at, &r->dense, D,
-                        m->cfg.intermediate_size);
+        return pack_mlp(&r->mlp_gu, &r->mlp_down, buf, at, &r->dense, D, m->cfg.intermediate_size);
     const wview_t *rv[1] = {&r->moe_w.router};
     int E = r->moe_cfg.router.E, F = r->moe_cfg.F;
     at = pack_set(&r->router, buf, at, rv, &E, 1, D);
@@ -183,8 +183,11 @@ void rl_weights_model(const rl_weights_t *w, const model_t *m, model_t *out) {
 
 void rl_weights_bind(rl_weights_t *w, const model_t *m) {
     MO_ASSERT(!w->merged);
-    for (int l = 0; l < m->L; l++)
+    lora_rows_cache_build(&w->lora, m->adapter);
+    for (int l = 0; l < m->L; l++) {
         bind_layer(&w->layers[l], &m->layers[l]);
+        w->layers[l].lora = &w->lora;
+    }
     w->final_norm = m->final_norm;
 }
 
@@ -201,6 +204,7 @@ void rl_weights_free(rl_weights_t *w) {
     free(w->copies);
     free(w->targets);
     free(w->layers);
+    lora_rows_cache_free(&w->lora);
     memset(w, 0, sizeof *w);
 }
 
@@ -408,13 +412,13 @@ int rl_weights_merge(rl_weights_t *w, const model_t *m, const lora_adapter_t *ad
 /* Forward.                                                                  */
 
 /* out (N, OC) = inp (N, C) W^T (+ the adapter). */
-static int proj(const model_t *m, arena_t *ar, float *out, const float *inp, const wview_t *w,
-                const lora_pair_t *p, int N, int C, int OC) {
+static int proj(const model_t *m, arena_t *ar, const lora_rows_cache_t *lc, float *out,
+                const float *inp, const wview_t *w, const lora_pair_t *p, int N, int C, int OC) {
     m->k->matmul_forward(out, inp, w, NULL, N, C, OC);
     if (p) {
         float *xa; /* (N, R) */
         ALLOC(xa, ar, (size_t)N * p->R);
-        lora_forward(m->k, out, xa, inp, p, N, C, OC);
+        lora_rows_par(out, xa, inp, p, lc, N, C, OC);
     }
     return MO_OK;
 }
@@ -434,12 +438,12 @@ static int pack_ok(const rl_pack_t *p, const wview_t *const *v, int n, int N) {
 /* out[i] (N, OC[i]) = inp (N, C) W_i^T (+ adapter lp[i]) for the n weights v: one packed
  * product over p when it stands in for them (one split of inp), one product each
  * otherwise. The same bits either way (amx_matmul_packed). lp NULL: no adapters. */
-static int proj_n(const model_t *m, arena_t *ar, const rl_pack_t *p, float *const *out,
-                  const float *inp, const wview_t *const *v, const lora_pair_t *const *lp,
-                  const int *OC, int n, int N, int C) {
+static int proj_n(const model_t *m, arena_t *ar, const lora_rows_cache_t *lc, const rl_pack_t *p,
+                  float *const *out, const float *inp, const wview_t *const *v,
+                  const lora_pair_t *const *lp, const int *OC, int n, int N, int C) {
     if (!pack_ok(p, v, n, N)) {
         for (int i = 0; i < n; i++)
-            TRY(proj(m, ar, out[i], inp, v[i], lp ? lp[i] : NULL, N, C, OC[i]));
+            TRY(proj(m, ar, lc, out[i], inp, v[i], lp ? lp[i] : NULL, N, C, OC[i]));
         return MO_OK;
     }
     amx_out_t o[3];
@@ -451,7 +455,7 @@ static int proj_n(const model_t *m, arena_t *ar, const rl_pack_t *p, float *cons
         if (lp[i]) {
             float *xa; /* (N, R) */
             ALLOC(xa, ar, (size_t)N * lp[i]->R);
-            lora_forward(m->k, out[i], xa, inp, lp[i], N, C, OC[i]);
+            lora_rows_par(out[i], xa, inp, lp[i], lc, N, C, OC[i]);
         }
     return MO_OK;
 }
@@ -459,9 +463,9 @@ static int proj_n(const model_t *m, arena_t *ar, const rl_pack_t *p, float *cons
 /* y (N, D) = (silu(x Wg^T) * x Wu^T) Wd^T with the MLP's adapters; gate and up as one
  * product over gu when packed (SwiGLU taken from the accumulators when neither has an
  * adapter), down over dn; g, u, h (N, F) temporaries. */
-static int mlp_rows(const model_t *m, arena_t *ar, float *y, const float *x,
-                    const mlp_weights_t *w, const rl_pack_t *gu, const rl_pack_t *dn, float *g,
-                    float *u, float *h, int N, int D, int F) {
+static int mlp_rows(const model_t *m, arena_t *ar, const lora_rows_cache_t *lc, float *y,
+                    const float *x, const mlp_weights_t *w, const rl_pack_t *gu,
+                    const rl_pack_t *dn, float *g, float *u, float *h, int N, int D, int F) {
     const wview_t *gu_v[2] = {&w->gate, &w->up}, *dn_v[1] = {&w->down};
     const lora_pair_t *gu_l[2] = {w->lora_gate, w->lora_up}, *dn_l[1] = {w->lora_down};
     if (pack_ok(gu, gu_v, 2, N) && !gu_l[0] && !gu_l[1]) {
@@ -470,19 +474,19 @@ static int mlp_rows(const model_t *m, arena_t *ar, float *y, const float *x,
         if (pack_ok(gu, gu_v, 2, N)) {
             amx_matmul_glu(NULL, g, u, x, gu->w, N, D, F);
         } else {
-            TRY(proj(m, ar, g, x, &w->gate, NULL, N, D, F));
-            TRY(proj(m, ar, u, x, &w->up, NULL, N, D, F));
+            TRY(proj(m, ar, lc, g, x, &w->gate, NULL, N, D, F));
+            TRY(proj(m, ar, lc, u, x, &w->up, NULL, N, D, F));
         }
         float *gu_out[2] = {g, u};
         for (int i = 0; i < 2; i++)
             if (gu_l[i]) {
                 float *xa; /* (N, R) */
                 ALLOC(xa, ar, (size_t)N * gu_l[i]->R);
-                lora_forward(m->k, gu_out[i], xa, x, gu_l[i], N, D, F);
+                lora_rows_par(gu_out[i], xa, x, gu_l[i], lc, N, D, F);
             }
         m->k->swiglu_forward(h, g, u, (size_t)N * F);
     }
-    return proj_n(m, ar, dn, &y, h, dn_v, dn_l, &D, 1, N, F);
+    return proj_n(m, ar, lc, dn, &y, h, dn_v, dn_l, &D, 1, N, F);
 }
 
 /* Per-head norm (when nw) and RoPE: raw (N, nh, Dh) -> out. */
@@ -534,7 +538,7 @@ static int absorbed_weight(const model_t *m, arena_t *ar, rl_layer_t *r) {
     if (!wt)
         return mo_errorf(MO_ENOMEM, "rollout: out of memory for an absorbed kv_b_proj (%d x %d)",
                          Rkv, kvo);
-    int rc = proj(m, ar, wt, eye, &r->mla.kv_b, r->mla.lora_kv_b, Rkv, Rkv, kvo);
+    int rc = proj(m, ar, r->lora, wt, eye, &r->mla.kv_b, r->mla.lora_kv_b, Rkv, Rkv, kvo);
     if (rc < 0) {
         free(wt);
         return rc;
@@ -620,7 +624,7 @@ static int mla_attention(const model_t *m, arena_t *ar, float *o, const float *l
                        mc->scale);
     ALLOC(ao, ar, (size_t)N * H * Dv);
     expand_values(ao, ctx, wt, mc, N);
-    return proj(m, ar, o, ao, &r->mla.o, r->mla.lora_o, N, H * Dv, m->D);
+    return proj(m, ar, r->lora, o, ao, &r->mla.o, r->mla.lora_o, N, H * Dv, m->D);
 }
 
 /* o (N, D) = the attention block's output for rows x; k and v go into the cache. */
@@ -641,7 +645,7 @@ static int attention(const model_t *m, arena_t *ar, float *o, const float *x, rl
     const wview_t *qkv_v[3] = {&r->wq, &r->wk, &r->wv}, *o_v[1] = {&r->wo};
     const lora_pair_t *qkv_l[3] = {r->lq, r->lk, r->lv}, *o_l[1] = {r->lo};
     int qkv_oc[3] = {qd, kvd, kvd};
-    TRY(proj_n(m, ar, &r->qkv, qkv_out, ln, qkv_v, qkv_l, qkv_oc, 3, N, D));
+    TRY(proj_n(m, ar, r->lora, &r->qkv, qkv_out, ln, qkv_v, qkv_l, qkv_oc, 3, N, D));
     ALLOC(qr, ar, (size_t)N * qd);
     ALLOC(kr, ar, (size_t)N * kvd);
     TRY(norm_rope(m, ar, qr, q, r->q_norm, b->pos, N, m->H));
@@ -655,10 +659,10 @@ static int attention(const model_t *m, arena_t *ar, float *o, const float *x, rl
         k->attention_forward(att, lse, qr, kr, v, b->cu, b->B, m->H, m->Hkv, m->Dh, m->attn_scale,
                              r->ly->window);
     } else {
-        attn_decode_store_forward(att, qr, kr, v, c, l, (const kv_seq_t *const *)b->seqs, b->pos,
-                                  N, m->H, m->attn_scale, r->ly->window);
+        attn_decode_store_forward(att, qr, kr, v, c, l, (const kv_seq_t *const *)b->seqs, b->pos, N,
+                                  m->H, m->attn_scale, r->ly->window);
     }
-    return proj_n(m, ar, &r->o, &o, att, o_v, o_l, &D, 1, N, qd);
+    return proj_n(m, ar, r->lora, &r->o, &o, att, o_v, o_l, &D, 1, N, qd);
 }
 
 /* Copies MoE layer mi's experts idx (N, K) into the routing record (N, M, K). */
@@ -672,8 +676,8 @@ static const rl_pack_t no_pack;
 
 /* The experts' groups for the grouped products, or 0 when an expert with rows lacks a
  * packed copy standing in for its weights. *lora: some expert has an adapter. */
-static int expert_groups(amx_group_t *gu, amx_group_t *dn, const rl_layer_t *r,
-                         const int32_t *off, int E, int *lora) {
+static int expert_groups(amx_group_t *gu, amx_group_t *dn, const rl_layer_t *r, const int32_t *off,
+                         int E, int *lora) {
     *lora = 0;
     for (int e = 0; e < E; e++) {
         int rows = off[e + 1] - off[e];
@@ -689,15 +693,49 @@ static int expert_groups(amx_group_t *gu, amx_group_t *dn, const rl_layer_t *r,
     return 1;
 }
 
-/* The adapter a of an expert's module, if any, added to its rows of out (rows of inp). */
-static int expert_lora(const model_t *m, arena_t *ar, float *out, const float *inp,
-                       const lora_pair_t *a, int rows, int C, int OC) {
-    if (!a || rows == 0)
-        return MO_OK;
-    float *xa; /* (rows, R) */
-    ALLOC(xa, ar, (size_t)rows * a->R);
-    lora_forward(m->k, out, xa, inp, a, rows, C, OC);
-    return MO_OK;
+/* The largest rank of the experts' adapters (0: none). */
+static int expert_rank(const rl_layer_t *r, int E) {
+    int R = 0;
+    for (int e = 0; e < E; e++) {
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        const lora_pair_t *p[3] = {mw.lora_gate, mw.lora_up, mw.lora_down};
+        for (int i = 0; i < 3; i++)
+            if (p[i] && p[i]->R > R)
+                R = p[i]->R;
+    }
+    return R;
+}
+
+/* The experts' gate and up adapters added to g and u (S, F), then h = silu(g) * u, one
+ * expert per thread at a time (xa: S rows of the largest rank). */
+static void experts_gu_lora(const model_t *m, const rl_layer_t *r, float *h, float *g, float *u,
+                            float *xa, const float *xg, const int32_t *off, int E, int R) {
+    int D = m->D, F = r->moe_cfg.F;
+#pragma omp parallel for schedule(dynamic, 1) if (off[E] > 1)
+    for (int e = 0; e < E; e++) {
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        size_t a = (size_t)off[e];
+        int rows = off[e + 1] - off[e];
+        if (mw.lora_gate)
+            lora_rows(g + a * F, xa + a * R, xg + a * D, mw.lora_gate, r->lora, rows, D, F);
+        if (mw.lora_up)
+            lora_rows(u + a * F, xa + a * R, xg + a * D, mw.lora_up, r->lora, rows, D, F);
+        m->k->swiglu_forward(h + a * F, g + a * F, u + a * F, (size_t)rows * F);
+    }
+}
+
+/* The experts' down adapters added to yg (S, D), one expert per thread at a time. */
+static void experts_down_lora(const model_t *m, const rl_layer_t *r, float *yg, float *xa,
+                              const float *h, const int32_t *off, int E, int R) {
+    int D = m->D, F = r->moe_cfg.F;
+#pragma omp parallel for schedule(dynamic, 1) if (off[E] > 1)
+    for (int e = 0; e < E; e++) {
+        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
+        size_t a = (size_t)off[e];
+        if (mw.lora_down)
+            lora_rows(yg + a * D, xa + a * R, h + a * F, mw.lora_down, r->lora, off[e + 1] - off[e],
+                      F, D);
+    }
 }
 
 /* yg (S, D) = every expert's MLP on its dispatched rows of xg (S, D), through the grouped
@@ -718,26 +756,18 @@ static int experts_grouped(const model_t *m, arena_t *ar, float *yg, const float
     ALLOC(h, ar, S * F);
     if (!lora) {
         amx_matmul_glu_groups(h, NULL, NULL, xg, gu, E, D, F);
-    } else {
-        float *g, *u;
-        ALLOC(g, ar, S * F);
-        ALLOC(u, ar, S * F);
-        amx_matmul_glu_groups(NULL, g, u, xg, gu, E, D, F);
-        for (int e = 0; e < E; e++) {
-            mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
-            size_t a = (size_t)off[e];
-            int rows = off[e + 1] - off[e];
-            TRY(expert_lora(m, ar, g + a * F, xg + a * D, mw.lora_gate, rows, D, F));
-            TRY(expert_lora(m, ar, u + a * F, xg + a * D, mw.lora_up, rows, D, F));
-        }
-        m->k->swiglu_forward(h, g, u, S * F);
+        amx_matmul_packed_groups(yg, h, dn, E, F, D);
+        return MO_OK;
     }
+    int R = expert_rank(r, E);
+    float *g, *u, *xa;
+    ALLOC(g, ar, S * F);
+    ALLOC(u, ar, S * F);
+    ALLOC(xa, ar, S * (size_t)R);
+    amx_matmul_glu_groups(NULL, g, u, xg, gu, E, D, F);
+    experts_gu_lora(m, r, h, g, u, xa, xg, off, E, R);
     amx_matmul_packed_groups(yg, h, dn, E, F, D);
-    for (int e = 0; lora && e < E; e++) {
-        mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
-        size_t a = (size_t)off[e];
-        TRY(expert_lora(m, ar, yg + a * D, h + a * F, mw.lora_down, off[e + 1] - off[e], F, D));
-    }
+    experts_down_lora(m, r, yg, xa, h, off, E, R);
     return MO_OK;
 }
 
@@ -759,7 +789,7 @@ static int experts_each(const model_t *m, arena_t *ar, float *yg, const float *x
             continue;
         mlp_weights_t mw = moe_expert_weights(&r->moe_w, e);
         size_t at = (size_t)off[e] * D;
-        TRY(mlp_rows(m, ar, yg + at, xg + at, &mw, r->exp_gu ? &r->exp_gu[e] : &no_pack,
+        TRY(mlp_rows(m, ar, r->lora, yg + at, xg + at, &mw, r->exp_gu ? &r->exp_gu[e] : &no_pack,
                      r->exp_down ? &r->exp_down[e] : &no_pack, g, u, h, rows, D, F));
     }
     return MO_OK;
@@ -780,7 +810,7 @@ static int moe_block(const model_t *m, arena_t *ar, float *out, const float *x, 
     ALLOC(weight, ar, S);
     ALLOC(idx, ar, S);
     const wview_t *rv[1] = {&r->moe_w.router};
-    TRY(proj_n(m, ar, &r->router, &logits, x, rv, NULL, &E, 1, N, D));
+    TRY(proj_n(m, ar, r->lora, &r->router, &logits, x, rv, NULL, &E, 1, N, D));
     TRY(router_forward(m->k, &c->router, idx, weight, probs, logits, N));
     moe_dispatch_t plan;
     TRY(moe_dispatch_plan(&plan, ar, idx, N, K, E));
@@ -799,8 +829,8 @@ static int moe_block(const model_t *m, arena_t *ar, float *out, const float *x, 
         ALLOC(g, ar, (size_t)N * Fs);
         ALLOC(u, ar, (size_t)N * Fs);
         ALLOC(h, ar, (size_t)N * Fs);
-        TRY(mlp_rows(m, ar, ys, x, &r->moe_w.shared, &r->mlp_gu, &r->mlp_down, g, u, h, N, D,
-                     Fs));
+        TRY(mlp_rows(m, ar, r->lora, ys, x, &r->moe_w.shared, &r->mlp_gu, &r->mlp_down, g, u, h, N,
+                     D, Fs));
         for (size_t i = 0; i < (size_t)N * D; i++)
             out[i] += ys[i];
     }
@@ -834,7 +864,8 @@ static int layer(const model_t *m, arena_t *ar, float *x, rl_layer_t *r, int l, 
         ALLOC(g, ar, (size_t)N * F);
         ALLOC(u, ar, (size_t)N * F);
         ALLOC(h, ar, (size_t)N * F);
-        TRY(mlp_rows(m, ar, ff, ln, &r->dense, &r->mlp_gu, &r->mlp_down, g, u, h, N, D, F));
+        TRY(mlp_rows(m, ar, r->lora, ff, ln, &r->dense, &r->mlp_gu, &r->mlp_down, g, u, h, N, D,
+                     F));
     }
     for (size_t i = 0; i < ND; i++)
         x[i] += ff[i];

@@ -10,6 +10,7 @@
 #include "actor/model.h"
 #include "core/arena.h"
 #include "rollout/kv_cache.h"
+#include "rollout/lora_rows.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,8 +43,8 @@ extern "C" {
  * packed copy stands in for the views only while they still point there (an adapter's
  * full-trained f32 router, for one, runs unpacked). */
 typedef struct rl_pack {
-    const uint16_t *w;   /* NULL: not packed */
-    const void *src[3];  /* the views' data, in packing order */
+    const uint16_t *w;  /* NULL: not packed */
+    const void *src[3]; /* the views' data, in packing order */
 } rl_pack_t;
 
 /* One layer's weights as the engine runs them: the model's frozen views with its bound
@@ -72,6 +73,7 @@ typedef struct rl_layer {
     rl_pack_t qkv, o, router, mlp_gu, mlp_down;
     rl_pack_t *exp_gu, *exp_down; /* (E) */
     uint16_t *pbuf;
+    const lora_rows_cache_t *lora; /* the bound adapter's LoRA operands (rl_weights_t) */
 } rl_layer_t;
 
 /* The layers of a model: views into the model's weights and bound adapter (call again
@@ -94,6 +96,9 @@ typedef struct rl_weights {
     int n_modules;
     void **copies;     /* (n_modules) */
     wview_t **targets; /* (n_modules) the rl_layer_t view each copy stands in for */
+    /* Unmerged: the bound adapter's LoRA operands, formed when it is bound
+     * (rl_weights_bind), for rollout/lora_rows.h's products. */
+    lora_rows_cache_t lora;
 } rl_weights_t;
 
 /* pack 1: packed copies of the bf16 weights where the tiles run the products (one more
