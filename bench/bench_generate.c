@@ -6,7 +6,7 @@
  *
  * usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G]
  *                       [--prompt-len P] [--max-tokens N] [--single S] [--python PY]
- *                       [--peer FILE | --no-peer] [--device cpu|cuda]
+ *                       [--peer FILE | --no-peer] [--device cpu|cuda] [--adapter-rank R]
  *
  * Without --model, a `moerl init-model --arch qwen3_moe --size small` model (bf16) is
  * written to a temporary directory. Prompts are NP random byte sequences of P tokens;
@@ -18,6 +18,10 @@
  * caller sets a policy for both): with threads that spin, PyTorch's and OpenBLAS's pools
  * take the cores from each other and the peer runs about three times slower at two
  * threads. The engine keeps OpenMP's default (spin briefly, then sleep).
+ * --adapter-rank R (R > 0) runs both sides with a LoRA adapter of rank R (alpha 2R) on the
+ * attention projections and every expert's gate, up and down, unmerged, as a rollout
+ * between two weight updates runs (B random in [-0.01, 0.01], so every adapter path
+ * computes); the peer loads the same adapter (PEFT files).
  * --device cuda runs the engine on the GPU (engine_opts_t.device; builds with the CUDA
  * backend); the peer, which runs on the CPU, is then left out. */
 #include <math.h>
@@ -33,12 +37,14 @@
 #include "core/backend.h"
 #include "core/rng.h"
 #include "core/status.h"
+#include "lora/adapter.h"
+#include "lora/peft.h"
 #include "rollout/amx_matmul.h"
 #include "rollout/engine.h"
 
 typedef struct args {
     const char *model, *python, *peer;
-    int threads, prompts, n, prompt_len, max_tokens, single, no_peer;
+    int threads, prompts, n, prompt_len, max_tokens, single, no_peer, adapter_rank;
     device_t device;
 } args_t;
 
@@ -57,12 +63,12 @@ static double clock_s(clockid_t id) {
 static int usage(void) {
     fprintf(stderr, "usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G] "
                     "[--prompt-len P] [--max-tokens N] [--single S] [--python PY] "
-                    "[--peer FILE | --no-peer] [--device cpu|cuda]\n");
+                    "[--peer FILE | --no-peer] [--device cpu|cuda] [--adapter-rank R]\n");
     return 2;
 }
 
 static int parse_args(args_t *a, int argc, char **argv) {
-    *a = (args_t){NULL, "/usr/bin/python3", NULL, 1, 64, 8, 32, 64, 2, 0, DEV_CPU};
+    *a = (args_t){NULL, "/usr/bin/python3", NULL, 1, 64, 8, 32, 64, 2, 0, 0, DEV_CPU};
     const char *py = getenv("MOERL_PYTHON");
     if (py && *py)
         a->python = py;
@@ -75,13 +81,14 @@ static int parse_args(args_t *a, int argc, char **argv) {
         if (i + 1 >= argc)
             return -1;
         const char *v = argv[++i];
-        int *n = !strcmp(o, "--threads")      ? &a->threads
-                 : !strcmp(o, "--prompts")    ? &a->prompts
-                 : !strcmp(o, "-n")           ? &a->n
-                 : !strcmp(o, "--prompt-len") ? &a->prompt_len
-                 : !strcmp(o, "--max-tokens") ? &a->max_tokens
-                 : !strcmp(o, "--single")     ? &a->single
-                                              : NULL;
+        int *n = !strcmp(o, "--threads")        ? &a->threads
+                 : !strcmp(o, "--prompts")      ? &a->prompts
+                 : !strcmp(o, "-n")             ? &a->n
+                 : !strcmp(o, "--prompt-len")   ? &a->prompt_len
+                 : !strcmp(o, "--max-tokens")   ? &a->max_tokens
+                 : !strcmp(o, "--single")       ? &a->single
+                 : !strcmp(o, "--adapter-rank") ? &a->adapter_rank
+                                                : NULL;
         if (!strcmp(o, "--model"))
             a->model = v;
         else if (!strcmp(o, "--python"))
@@ -130,8 +137,8 @@ static gen_request_t request(uint64_t id, const int32_t *prompt, int P, int n, f
 }
 
 /* Runs reqs (nr) on an engine with room for max_batch samples; adds to *res. */
-static int run(model_t *m, device_t dev, const gen_request_t *reqs, int nr, int max_batch,
-               int max_seq, result_t *res, gen_group_t **keep) {
+static int run(model_t *m, device_t dev, const lora_adapter_t *ad, const gen_request_t *reqs,
+               int nr, int max_batch, int max_seq, result_t *res, gen_group_t **keep) {
     engine_opts_t o;
     memset(&o, 0, sizeof o);
     o.device = dev;
@@ -141,13 +148,14 @@ static int run(model_t *m, device_t dev, const gen_request_t *reqs, int nr, int 
     o.no_default_stops = 1;
     engine_t *e;
     TRY(engine_new(&e, m, &o));
-    gen_group_t **g = calloc((size_t)nr, sizeof *g);
-    if (!g) {
+    int rc = ad ? engine_set_adapter(e, ad, 1) : MO_OK;
+    gen_group_t **g = rc == MO_OK ? calloc((size_t)nr, sizeof *g) : NULL;
+    if (rc < 0 || !g) {
         engine_destroy(&e);
-        return mo_errorf(MO_ENOMEM, "out of memory");
+        return rc < 0 ? rc : mo_errorf(MO_ENOMEM, "out of memory");
     }
     double t0 = clock_s(CLOCK_MONOTONIC), c0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
-    int rc = engine_generate(e, reqs, nr, g);
+    rc = engine_generate(e, reqs, nr, g);
     res->seconds += clock_s(CLOCK_MONOTONIC) - t0;
     res->cpu += clock_s(CLOCK_PROCESS_CPUTIME_ID) - c0;
     for (int i = 0; i < nr; i++) {
@@ -198,15 +206,16 @@ static int write_job(const char *path, const args_t *a, int32_t *const *prompts,
 
 /* Runs the peer; its "RESULT mode=M tokens=T seconds=S cpu=C" lines fill torch[0]
  * (batched) and torch[1] (single), "CHECK greedy_equal=E total=N" the check. */
-static int run_peer(const args_t *a, const char *model, const char *job, result_t torch[2], int *eq,
-                    int *total) {
-    char peer[1024], cmd[4096];
+static int run_peer(const args_t *a, const char *model, const char *adapter, const char *job,
+                    result_t torch[2], int *eq, int *total) {
+    char peer[1024], cmd[4096], ad[1200] = "";
     peer_path(peer, sizeof peer, a);
+    if (*adapter)
+        snprintf(ad, sizeof ad, " --adapter '%s'", adapter);
     snprintf(cmd, sizeof cmd,
              "OMP_NUM_THREADS=%d OMP_WAIT_POLICY=\"${OMP_WAIT_POLICY:-passive}\" '%s' '%s' "
-             "--model '%s' --job '%s'",
-             a->threads,
-             a->python, peer, model, job);
+             "--model '%s' --job '%s'%s",
+             a->threads, a->python, peer, model, job, ad);
     FILE *p = popen(cmd, "r");
     if (!p)
         return mo_errorf(MO_EIO, "cannot run %s", cmd);
@@ -242,6 +251,20 @@ static void show(const char *name, const result_t *r) {
            name, rate(r), cpu_rate(r), (long long)r->tokens, r->seconds, r->cpu);
 }
 
+/* A rank-R adapter on the attention projections and the experts with random B, bound to
+ * nothing yet, and its PEFT files in tmp/adapter (dir receives the path) for the peer. */
+static int make_adapter(lora_adapter_t **ad, const model_t *m, int R, const char *tmp, char *dir,
+                        size_t cap) {
+    const char *targets[2] = {"attention", "experts"};
+    lora_config_t lc = {R, 2.0f * (float)R, 0, 0.0f, 5, 0, targets, 2};
+    TRY(lora_adapter_new(ad, &lc, m->modules, m->n_modules));
+    for (int i = 1; i < (*ad)->n_tensors; i += 2) /* B != 0: every adapter path computes */
+        rng_fill_uniform((*ad)->params + (*ad)->tensors[i].offset, (*ad)->tensors[i].numel, 5,
+                         (uint64_t)i, -0.01f, 0.01f);
+    snprintf(dir, cap, "%s/adapter", tmp);
+    return peft_save(*ad, dir, NULL);
+}
+
 static int bench(const args_t *a, const char *model_dir, const char *tmp) {
     model_t *m;
     TRY(model_open(&m, model_dir, NULL));
@@ -261,29 +284,40 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
     for (int i = 0; i < NP; i++)
         reqs[i] = request((uint64_t)i, prompts[i], P, G, 1.0f, N);
     device_t dev = a->device;
-    rc = run(m, dev, reqs, 2, 2 * G, max_seq, &warm, NULL);
+    lora_adapter_t *ad = NULL;
+    char adir[1100] = "";
+    if (a->adapter_rank > 0)
+        rc = make_adapter(&ad, m, a->adapter_rank, tmp, adir, sizeof adir);
     if (rc == MO_OK)
-        rc = run(m, dev, reqs, NP, NP * G, max_seq, &batched, NULL);
+        rc = run(m, dev, ad, reqs, 2, 2 * G, max_seq, &warm, NULL);
+    if (rc == MO_OK)
+        rc = run(m, dev, ad, reqs, NP, NP * G, max_seq, &batched, NULL);
     for (int i = 0; rc == MO_OK && i < a->single; i++)
         for (int j = 0; j < G; j++) {
             gen_request_t r = request((uint64_t)(i * G + j), prompts[i], P, 1, 1.0f, N);
-            rc = run(m, dev, &r, 1, 1, max_seq, &single, NULL);
+            rc = run(m, dev, ad, &r, 1, 1, max_seq, &single, NULL);
         }
     gen_request_t gr[2] = {request(0, prompts[0], P, 1, 0.0f, check_tokens),
                            request(1, prompts[1], P, 1, 0.0f, check_tokens)};
     if (rc == MO_OK)
-        rc = run(m, dev, gr, 2, 2, max_seq, &greedy, check);
+        rc = run(m, dev, ad, gr, 2, 2, max_seq, &greedy, check);
     char job[1100];
     snprintf(job, sizeof job, "%s/job.json", tmp);
     if (rc == MO_OK && !a->no_peer)
         rc = write_job(job, a, prompts, check, check_tokens);
     if (rc == MO_OK && !a->no_peer)
-        rc = run_peer(a, model_dir, job, torch, &eq, &total);
+        rc = run_peer(a, model_dir, adir, job, torch, &eq, &total);
     if (rc == MO_OK) {
         printf("config: %s, L %d, D %d, H %d/%d, E %d, K %d, V %d; %d prompts x %d samples, "
                "prompt %d, %d new tokens; %d thread(s)\n",
                m->cfg.model_type, m->L, m->D, m->H, m->Hkv, m->E, m->K, m->V, NP, G, P, N,
                a->threads);
+        if (ad)
+            printf("adapter: LoRA rank %d, alpha %d, on q, k, v, o and every expert's gate, up "
+                   "and down (unmerged)\n",
+                   a->adapter_rank, 2 * a->adapter_rank);
+        else
+            printf("adapter: none\n");
         printf("moerl products with bf16 weights: %s\n",
                dev == DEV_CUDA ? "the CUDA device (engine on the GPU; no CPU peer)"
                : amx_matmul_available()
@@ -310,6 +344,7 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
     free(prompts);
     free(reqs);
     model_destroy(&m);
+    lora_adapter_destroy(&ad);
     return rc;
 }
 

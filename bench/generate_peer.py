@@ -3,7 +3,7 @@ model and weights (float32, tests/golden/torch_model.py's layers), the same prom
 shapes, timed batched and one sequence at a time, plus a greedy check against the tokens
 moerl generated.
 
-usage: generate_peer.py --model DIR --job job.json [--threads N]
+usage: generate_peer.py --model DIR --job job.json [--threads N] [--adapter DIR]
 
 job.json (written by bench_generate): {"prompts": [[ids] x NP], "n": G, "max_tokens": N,
 "single": S, "threads": T, "greedy_tokens": [[ids], [ids]]}.
@@ -115,6 +115,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--job", required=True)
+    ap.add_argument("--adapter", default=None)
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
     with open(a.job) as f:
@@ -122,7 +123,7 @@ def main():
     threads = a.threads or job.get("threads", 1)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    m = MoeModel.load(a.model)
+    m = MoeModel.load(a.model, a.adapter)
     prompts = torch.tensor(job["prompts"], dtype=torch.long)
     G, N, S = job["n"], job["max_tokens"], job["single"]
     with torch.no_grad():
