@@ -28,6 +28,11 @@
 #include "tests/learner_fixture.h"
 
 #define TOL 1e-5
+/* Gradients after optimizer steps, in L2: the ranks sum the experts' rows and the
+ * replicated gradients in another order than one rank does, and each AdamW step carries
+ * those roundings into every parameter; with OpenBLAS's AVX-512 kernels the third step's
+ * gradients part by 1.03e-5. */
+#define TOL_LATER 2e-5
 
 static comm_t *g_c; /* (created in main, shared by every test) */
 static int g_rank, g_size;
@@ -300,7 +305,8 @@ static void run_equal_on(int replay, int kl_entropy, int full, int cuda) {
         char what[64];
         step_both(ref, ep, g, k);
         snprintf(what, sizeof what, "gradients of step %d", k + 1);
-        check_shard(ep, ep->adapter->grads, ref->adapter->grads, n, TOL, k > 0, what);
+        check_shard(ep, ep->adapter->grads, ref->adapter->grads, n, k > 0 ? TOL_LATER : TOL, k > 0,
+                    what);
         snprintf(what, sizeof what, "adapter after step %d", k + 1);
         check_shard(ep, ep->adapter->params, ref->adapter->params, n, TOL, 1, what);
     }
