@@ -40,6 +40,16 @@ static void padded_at(float *at, const float *A, int R, int Rp, int C) {
     }
 }
 
+/* M(0); ... M(7); the eight accumulators of a block of rows or outputs */
+#define EIGHT(M)                                                                                   \
+    M(0);                                                                                          \
+    M(1);                                                                                          \
+    M(2);                                                                                          \
+    M(3);                                                                                          \
+    M(4);                                                                                          \
+    M(5);                                                                                          \
+    M(6);                                                                                          \
+    M(7)
 #define ACC(i) float s##i[LANES] = {0}
 #define FMA_X(i) FMA_LANES(s##i, x[(size_t)(i)*C + c], a)
 #define FMA_LANES(s, v, b)                                                                         \
@@ -64,33 +74,12 @@ static inline void put_lanes(float *restrict d, const float *restrict s, int w) 
 LR_HOT static void xa8(float *xa, const float *x, const float *at, int R, int Rp, int C) {
     for (int r0 = 0; r0 < R; r0 += LANES) {
         int w = R - r0 < LANES ? R - r0 : LANES;
-        ACC(0);
-        ACC(1);
-        ACC(2);
-        ACC(3);
-        ACC(4);
-        ACC(5);
-        ACC(6);
-        ACC(7);
+        EIGHT(ACC);
         for (int c = 0; c < C; c++) {
             const float *a = at + (size_t)c * Rp + r0;
-            FMA_X(0);
-            FMA_X(1);
-            FMA_X(2);
-            FMA_X(3);
-            FMA_X(4);
-            FMA_X(5);
-            FMA_X(6);
-            FMA_X(7);
+            EIGHT(FMA_X);
         }
-        PUT_XA(0);
-        PUT_XA(1);
-        PUT_XA(2);
-        PUT_XA(3);
-        PUT_XA(4);
-        PUT_XA(5);
-        PUT_XA(6);
-        PUT_XA(7);
+        EIGHT(PUT_XA);
     }
 }
 
@@ -119,34 +108,13 @@ LR_HOT static void xa1(float *xa, const float *x, const float *at, int R, int Rp
 LR_HOT static void row_y(float *y, const float *xa, const float *bt, int R, int OC) {
     int o = 0;
     for (; o + 8 * LANES <= OC; o += 8 * LANES) {
-        ACC(0);
-        ACC(1);
-        ACC(2);
-        ACC(3);
-        ACC(4);
-        ACC(5);
-        ACC(6);
-        ACC(7);
+        EIGHT(ACC);
         for (int r = 0; r < R; r++) {
             const float *b = bt + (size_t)r * OC + o;
             float v = xa[r];
-            FMA_B(0);
-            FMA_B(1);
-            FMA_B(2);
-            FMA_B(3);
-            FMA_B(4);
-            FMA_B(5);
-            FMA_B(6);
-            FMA_B(7);
+            EIGHT(FMA_B);
         }
-        ADD_Y(0);
-        ADD_Y(1);
-        ADD_Y(2);
-        ADD_Y(3);
-        ADD_Y(4);
-        ADD_Y(5);
-        ADD_Y(6);
-        ADD_Y(7);
+        EIGHT(ADD_Y);
     }
     for (; o + LANES <= OC; o += LANES) {
         ACC(0);
