@@ -396,6 +396,18 @@ AVX512_FN static void put_glu(const amx_out_t *o, const float *g, const float *u
     }
 }
 
+/* h = silu(g) * u over n elements, as put_glu computes it. */
+AVX512_FN static void swiglu16(float *h, const float *g, const float *u, size_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (size_t i = 0; i < n; i += 16) {
+        size_t m = n - i < 16 ? n - i : 16;
+        __mmask16 k = (__mmask16)((1u << m) - 1u);
+        __m512 x = _mm512_maskz_loadu_ps(k, g + i), y = _mm512_maskz_loadu_ps(k, u + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        _mm512_mask_storeu_ps(h + i, k, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), y));
+    }
+}
+
 /* Blocks b0 and b1 (b1 < 0: none) of outputs for all rows: weight tiles 4, 5, activation
  * tiles 6, 7 (two blocks of 16 rows), accumulators 0 .. 3 (row block r, weight block c
  * in tile 2 r + c). Along C in blocks of 32, the three parts in turn, as col_block. The
@@ -517,6 +529,11 @@ void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16
         int rows = T - t0 < ROW_CHUNK ? T - t0 : ROW_CHUNK;
         packed_chunk(outs, pbs, nb, inp, wp, t0, rows, C, h != NULL);
     }
+}
+
+void amx_swiglu(float *h, const float *g, const float *u, size_t n) {
+    MO_ASSERT(amx_ok);
+    swiglu16(h, g, u, n);
 }
 
 /* A piece of a grouped product: at most ROW_CHUNK rows r0 .. r0 + T - 1 of one group,
@@ -659,6 +676,11 @@ void amx_matmul_glu(float *h, float *g, float *u, const float *inp, const uint16
                     int C, int F) {
     (void)h, (void)g, (void)u, (void)inp, (void)wp, (void)T, (void)C, (void)F;
     MO_ASSERT(!"amx_matmul_glu without AMX");
+}
+
+void amx_swiglu(float *h, const float *g, const float *u, size_t n) {
+    (void)h, (void)g, (void)u, (void)n;
+    MO_ASSERT(!"amx_swiglu without AMX");
 }
 
 void amx_matmul_packed_groups(float *out, const float *inp, const amx_group_t *g, int ng, int C,

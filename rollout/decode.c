@@ -720,7 +720,7 @@ static void experts_gu_lora(const model_t *m, const rl_layer_t *r, float *h, flo
             lora_rows(g + a * F, xa + a * R, xg + a * D, mw.lora_gate, r->lora, rows, D, F);
         if (mw.lora_up)
             lora_rows(u + a * F, xa + a * R, xg + a * D, mw.lora_up, r->lora, rows, D, F);
-        m->k->swiglu_forward(h + a * F, g + a * F, u + a * F, (size_t)rows * F);
+        amx_swiglu(h + a * F, g + a * F, u + a * F, (size_t)rows * F);
     }
 }
 

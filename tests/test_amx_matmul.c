@@ -207,7 +207,8 @@ static void test_packed(void) {
 
 /* Gate and up as one product (amx_matmul_glu), T rows: h against the double reference
  * silu(g) u, g and u (h NULL) the same bits as amx_matmul_packed on gate and up packed
- * back to back, and the first rows of h the same bits when computed alone. */
+ * back to back, the first rows of h the same bits when computed alone, and amx_swiglu of
+ * g and u the same bits as h. */
 static void glu_case(int T, int C, int F, uint64_t seed) {
     size_t nx = (size_t)T * C, nf = (size_t)T * F, pe = amx_packed_elems(F, C);
     uint16_t *wg = make_w(F, C, seed), *wu = make_w(F, C, seed + 1);
@@ -243,6 +244,10 @@ static void glu_case(int T, int C, int F, uint64_t seed) {
     CU_ASSERT(memcmp(g, g2, sizeof(float) * nf) == 0);
     CU_ASSERT(memcmp(u, u2, sizeof(float) * nf) == 0);
     CU_ASSERT(memcmp(h, ha, sizeof(float) * (size_t)TA * F) == 0);
+    /* SwiGLU of the separate g and u: the bits taken from the accumulators */
+    tu_poison(ha, nf);
+    amx_swiglu(ha, g, u, nf);
+    CU_ASSERT(memcmp(h, ha, sizeof(float) * nf) == 0);
     free(wg), free(wu), free(glu), free(seq), free(x), free(h), free(g), free(u), free(g2);
     free(u2), free(ha), free(rg), free(ru);
 }
