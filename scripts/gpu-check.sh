@@ -70,20 +70,27 @@ run_bench() {
 }
 
 # The rollout engine on the GPU (bench_generate --device cuda, a small Qwen3-MoE in bf16):
-# tokens/s of 64 prompts x 8 samples batched and of single sequences.
+# tokens/s of 64 prompts x 8 samples batched and of single sequences, without an adapter
+# and with a rank-16 LoRA adapter on attention and experts (as a rollout runs the policy).
 run_engine_bench() {
-    local exe=$1 log="$logs/bench_generate.log"
-    echo "=== rollout engine on the GPU ==="
-    "$exe" --device cuda --prompts 64 -n 8 --prompt-len 32 --max-tokens 64 --single 2 2>&1 |
-        tee "$log"
-    local rc=${PIPESTATUS[0]}
-    if [[ $rc == 0 ]]; then
-        note "engine batched (cuda)" "$(awk '/^moerl batched/ {print $4 " tokens/s"}' "$log")"
-        note "engine single (cuda)" "$(awk '/^moerl single/ {print $4 " tokens/s"}' "$log")"
-    else
-        note bench_generate "FAILED (exit $rc)"
-    fi
-    [[ $rc == 0 ]]
+    local exe=$1 failed=0 rank log what rc
+    for rank in 0 16; do
+        log="$logs/bench_generate_r$rank.log"
+        what="engine (cuda)"
+        [[ $rank == 0 ]] || what="engine, LoRA r$rank (cuda)"
+        echo "=== rollout engine on the GPU, adapter rank $rank ==="
+        "$exe" --device cuda --prompts 64 -n 8 --prompt-len 32 --max-tokens 64 --single 2 \
+            --adapter-rank "$rank" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+        if [[ $rc == 0 ]]; then
+            note "$what batched" "$(awk '/^moerl batched/ {print $4 " tokens/s"}' "$log")"
+            note "$what single" "$(awk '/^moerl single/ {print $4 " tokens/s"}' "$log")"
+        else
+            note "bench_generate r$rank" "FAILED (exit $rc)"
+            failed=1
+        fi
+    done
+    [[ $failed == 0 ]]
 }
 
 mode_build_and_check() {
