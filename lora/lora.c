@@ -11,11 +11,11 @@
  * take lower slots or none. */
 #define LORA_SCRATCH_SLOT (CPU_SCRATCH_SLOTS - 1)
 
-/* bt (R, OC) = s * b^T for b (OC, R). */
-static void scaled_transpose(float *bt, const float *b, float s, int OC, int R) {
+void lora_scaled_bt(float *bt, const lora_pair_t *p, int OC) {
+    int R = p->R;
     for (int o = 0; o < OC; o++)
         for (int r = 0; r < R; r++)
-            bt[(size_t)r * OC + o] = s * b[(size_t)o * R + r];
+            bt[(size_t)r * OC + o] = p->scale * p->B[(size_t)o * R + r];
 }
 
 static void scale_inplace(float *x, size_t n, float s) {
@@ -37,7 +37,7 @@ void lora_forward(const kernels_t *k, float *y, float *xa, const float *x, const
     /* y (T, OC) += xa (T, R) @ (scale B^T) (R, OC): the accumulating input
      * gradient product of a layer with weight (R, OC). */
     float *bt = cpu_scratch_floats(LORA_SCRATCH_SLOT, (size_t)R * OC); /* (R, OC) */
-    scaled_transpose(bt, p->B, p->scale, OC, R);
+    lora_scaled_bt(bt, p, OC);
     wview_t wbt = wview_f32(bt);
     k->matmul_backward(y, NULL, NULL, xa, NULL, &wbt, T, OC, R);
 }

@@ -23,6 +23,9 @@ typedef struct lora_pair {
 /* Every pointer of this file is host memory: the products go through the
  * kernel table k, the O(T R) and O(OC R) elementwise steps run here. */
 
+/* bt (R, OC) = scale * B^T, the right operand of the adapter's second product. */
+void lora_scaled_bt(float *bt, const lora_pair_t *p, int OC);
+
 /* y (T, OC) += scale * (x (T, C) A^T) B^T. xa (T, R) receives x A^T, kept
  * for backward. Uses the last CPU scratch slot (R * OC floats) of the
  * calling thread for scale * B^T. */

@@ -21,14 +21,6 @@
 #define LR_HOT
 #endif
 
-/* bt (R, OC) = scale B^T, B (OC, R). */
-static void scaled_bt(float *bt, const lora_pair_t *p, int OC) {
-    int R = p->R;
-    for (int o = 0; o < OC; o++)
-        for (int r = 0; r < R; r++)
-            bt[(size_t)r * OC + o] = p->scale * p->B[(size_t)o * R + r];
-}
-
 /* at (C, Rp) = A^T with the ranks padded with zeros to Rp (a multiple of 16). */
 static void padded_at(float *at, const float *A, int R, int Rp, int C) {
     for (int c = 0; c < C; c++) {
@@ -173,7 +165,7 @@ static void operands(const lora_pair_t *p, const lora_rows_cache_t *lc, int C, i
     *at = buf;
     *bt = buf + (size_t)*Rp * C;
     padded_at(*at, p->A, R, *Rp, C);
-    scaled_bt(*bt, p, OC);
+    lora_scaled_bt(*bt, p, OC);
 }
 
 void lora_rows_cache_free(lora_rows_cache_t *c) {
@@ -188,7 +180,7 @@ void lora_rows_cache_free(lora_rows_cache_t *c) {
 
 void lora_rows_cache_build(lora_rows_cache_t *c, const lora_adapter_t *ad) {
     lora_rows_cache_free(c);
-    if (!ad || ad->n_entries == 0)
+    if (!ad || ad->n_entries <= 0)
         return;
     int n = ad->n_entries;
     size_t total = 0;
@@ -223,7 +215,7 @@ void lora_rows_cache_build(lora_rows_cache_t *c, const lora_adapter_t *ad) {
         c->at[e] = d;
         c->bt[e] = d + (size_t)Rp * en->C;
         padded_at(c->at[e], p.A, en->R, Rp, en->C);
-        scaled_bt(c->bt[e], &p, en->OC);
+        lora_scaled_bt(c->bt[e], &p, en->OC);
         d = c->bt[e] + (size_t)en->R * en->OC;
     }
     c->base = ad->params;
