@@ -731,6 +731,26 @@ int model_set_comm(model_t *m, comm_t *cm) {
     return MO_OK;
 }
 
+int model_set_device_comm(model_t *m, comm_t *cm) {
+    if (!cm) {
+        m->device_comm = NULL;
+        return MO_OK;
+    }
+    if (!use_ep(m))
+        return mo_errorf(MO_ESTATE,
+                         "model %s: a device communicator needs expert parallelism first "
+                         "(model_set_comm with more than one rank)",
+                         m->path);
+    if (comm_size(cm) != comm_size(m->comm) || comm_rank(cm) != comm_rank(m->comm))
+        return mo_errorf(MO_EINVAL,
+                         "model %s: the device communicator is rank %d of %d ('%s'), the "
+                         "expert-parallel one rank %d of %d ('%s'): they must agree",
+                         m->path, comm_rank(cm), comm_size(cm), comm_backend_name(cm),
+                         comm_rank(m->comm), comm_size(m->comm), comm_backend_name(m->comm));
+    m->device_comm = cm;
+    return MO_OK;
+}
+
 size_t model_expert_weight_bytes(const model_t *m) {
     size_t b = 0;
     int e0 = m->ep_n > 0 ? m->ep_e0 : 0, n = m->ep_n > 0 ? m->ep_n : m->E;

@@ -148,6 +148,9 @@ typedef struct model {
      * experts this rank holds, ep_e0 .. ep_e0 + ep_n - 1 (ep_n 0: all E). */
     comm_t *comm;
     int ep_e0, ep_n;
+    /* model_set_device_comm: the communicator the device path's exchanges use, or NULL
+     * (they use comm). */
+    comm_t *device_comm;
 } model_t;
 
 /* Loads a Hugging Face model directory: config.json (model_config_load) and the
@@ -199,6 +202,15 @@ int model_adapter_add_full(model_t *m, lora_adapter_t *ad, int router, int norms
  * 1 changes nothing. MO_ECONFIG when E is not a multiple of N (naming both), MO_ESTATE
  * when another communicator of size > 1 was set before. */
 int model_set_comm(model_t *m, comm_t *cm);
+
+/* The communicator for the device path's MoE exchanges (actor/model_cuda.h), in place of
+ * model_set_comm's: one on device memory (NCCL) moves the rows between the GPUs without
+ * host staging, while model_set_comm's host communicator keeps everything else (the CPU
+ * forward and backward, the callers' reductions of host buffers). Borrowed; it must
+ * outlive the model and any upload; set it before model_cuda_upload. cm NULL clears it.
+ * MO_ESTATE without an expert-parallel communicator (model_set_comm with N > 1);
+ * MO_EINVAL when cm's rank or size differs from that one's (naming both). */
+int model_set_device_comm(model_t *m, comm_t *cm);
 
 /* Bytes of frozen routed-expert weights (every MoE layer, fp8 scales included) the model
  * holds: all E experts, or this rank's E / N after model_set_comm. */

@@ -393,21 +393,22 @@ static int ep_check(const model_t *m, const comm_t *cm, int e0, int n) {
 
 int mc_ep_init(model_cuda_t *mc) {
     const model_t *m = mc->m;
-    if (!m->comm || mc->n_moe == 0)
+    comm_t *cm = m->device_comm ? m->device_comm : m->comm;
+    if (!cm || mc->n_moe == 0)
         return MO_OK;
     int e0, n;
     mc_ep_range(m, &e0, &n);
-    TRY(ep_check(m, m->comm, e0, n));
+    TRY(ep_check(m, cm, e0, n));
     mc_ep_t *ep = calloc(1, sizeof *ep);
     if (!ep)
         return mo_errorf(MO_ENOMEM, "model_cuda_ep: state");
     mc->ep = ep;
-    ep->cm = m->comm;
-    ep->N = comm_size(m->comm);
-    ep->rank = comm_rank(m->comm);
+    ep->cm = cm;
+    ep->N = comm_size(cm);
+    ep->rank = comm_rank(cm);
     ep->e0 = e0;
     ep->n = n;
-    ep->direct = comm_device(m->comm) == mc->be->device;
+    ep->direct = comm_device(cm) == mc->be->device;
     return ep_buffers(mc, ep);
 }
 

@@ -39,7 +39,9 @@ static void learner_help(FILE *out) {
           "Expert parallelism: with learner.ranks N > 1, launch N ranks with\n"
           "`mpirun -np N moerl learner CONFIG` (`moerl run` does): each rank holds E/N\n"
           "routed experts of every MoE layer and trains on its share of each batch; rank 0\n"
-          "runs the daemon, the others follow it and exit when it stops.\n"
+          "runs the daemon, the others follow it and exit when it stops. With run.device\n"
+          "cuda each rank takes a GPU of its host; learner.comm nccl moves the MoE layers'\n"
+          "rows between the GPUs over NCCL (one GPU per rank) instead of MPI.\n"
           "\n"
           "exit status: 0 finished or stopped cleanly, 1 error (bad config, endpoint in\n"
           "use, missing CURVE keys, learner.ranks not matching the ranks started, experts\n"
@@ -47,30 +49,48 @@ static void learner_help(FILE *out) {
           out);
 }
 
-/* The job's communicator when learner.ranks > 1 (NULL otherwise); 0 or 1 (error). */
-static int open_comm(const moerl_config_t *c, comm_t **cm) {
-    *cm = NULL;
+/* The job's communicators when learner.ranks > 1 (NULL otherwise): the host one (control,
+ * gradient sums, the CPU path's exchanges) and, with learner.comm nccl, the device one for
+ * the MoE layers' exchanges; 0 or 1 (error, nothing left open). */
+static int open_comm(const moerl_config_t *c, comm_t **cm, comm_t **dcm) {
+    *cm = *dcm = NULL;
     if (c->learner.ranks <= 1)
         return 0;
     if (comm_init_from_env(cm, "auto") < 0) {
         fprintf(stderr, "moerl learner: %s\n", mo_last_error());
         return 1;
     }
-    if (comm_size(*cm) == c->learner.ranks)
+    if (comm_size(*cm) != c->learner.ranks) {
+        if (comm_rank(*cm) == 0)
+            fprintf(stderr,
+                    "moerl learner: learner.ranks is %d but %d rank(s) were started: launch "
+                    "`mpirun -np %d moerl learner CONFIG` (or use `moerl run`)\n",
+                    c->learner.ranks, comm_size(*cm), c->learner.ranks);
+        comm_destroy(cm);
+        return 1;
+    }
+    if (c->learner.comm != CFG_COMM_NCCL)
         return 0;
-    if (comm_rank(*cm) == 0)
-        fprintf(stderr,
-                "moerl learner: learner.ranks is %d but %d rank(s) were started: launch "
-                "`mpirun -np %d moerl learner CONFIG` (or use `moerl run`)\n",
-                c->learner.ranks, comm_size(*cm), c->learner.ranks);
-    comm_destroy(cm);
-    return 1;
+    if (comm_init_from_env(dcm, "nccl") < 0) { /* collective: every rank learns of a failure */
+        fprintf(stderr, "moerl learner rank %d: learner.comm nccl: %s\n", comm_rank(*cm),
+                mo_last_error());
+        comm_destroy(cm);
+        return 1;
+    }
+    return 0;
+}
+
+/* The device communicator first: the host one may be MPI's last. */
+static int close_comms(comm_t **cm, comm_t **dcm) {
+    int a = comm_destroy(dcm), b = comm_destroy(cm);
+    return a < 0 ? a : b;
 }
 
 /* Ranks 1 .. N - 1: the trainer's shard, following rank 0 until it stops. On an error
  * the communicator is left as it is (another rank may be inside a collective): the
  * non-zero exit makes the launcher end the job. */
-static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t *cm) {
+static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t *cm,
+                        comm_t *dcm) {
     int r = comm_rank(cm);
     signal(SIGTERM, SIG_IGN); /* rank 0 handles stops and tells this rank */
     signal(SIGINT, SIG_IGN);
@@ -78,6 +98,7 @@ static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t 
     trainer_opts_t to = trainer_opts_default();
     to.init_adapter = a->init_adapter;
     to.comm = cm;
+    to.device_comm = dcm;
     trainer_t *t = NULL;
     int rc = trainer_new(&t, c, NULL, &to);
     if (rc == MO_OK) {
@@ -92,7 +113,7 @@ static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t 
         return 1;
     }
     trainer_destroy(&t);
-    return comm_destroy(&cm) < 0 ? 1 : 0;
+    return close_comms(&cm, &dcm) < 0 ? 1 : 0;
 }
 
 static int learner_run(int argc, char **argv) {
@@ -105,19 +126,20 @@ static int learner_run(int argc, char **argv) {
         config_free(&c);
         return 1;
     }
-    comm_t *cm = NULL;
-    if (open_comm(&c, &cm)) {
+    comm_t *cm = NULL, *dcm = NULL;
+    if (open_comm(&c, &cm, &dcm)) {
         config_free(&c);
         return 1;
     }
     if (cm && comm_rank(cm) > 0) {
-        rc = follower_run(&c, &a, cm);
+        rc = follower_run(&c, &a, cm, dcm);
         config_free(&c);
         return rc;
     }
     learner_daemon_opts_t o;
     learner_daemon_opts_default(&o, &c);
     o.comm = cm;
+    o.device_comm = dcm;
     o.resume = a.resume;
     o.allow_config_change = a.allow_config_change;
     o.init_adapter = a.init_adapter;
@@ -132,7 +154,7 @@ static int learner_run(int argc, char **argv) {
         fprintf(stderr, "moerl learner: %s\n", mo_last_error());
         return 1; /* the launcher ends the other ranks */
     }
-    if (comm_destroy(&cm) < 0)
+    if (close_comms(&cm, &dcm) < 0)
         rc = rc < 0 ? rc : MO_EIO;
     return rc < 0 ? 1 : 0;
 }

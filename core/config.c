@@ -786,6 +786,22 @@ static void check_device(const moerl_config_t *c, const cfg_origin_t *org, confi
                "the CPU only");
 }
 
+/* learner.comm nccl: device buffers, so run.device cuda and a build with NCCL. */
+static void check_comm(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
+    if (c->learner.comm != CFG_COMM_NCCL)
+        return;
+    int k = key_index("learner", "comm");
+    if (c->run.device != DEV_CUDA)
+        report(e, org, blame(org, k, key_index("run", "device")),
+               "nccl exchanges the GPUs' memory: it needs run.device: cuda (the CPU path "
+               "exchanges over MPI)");
+#ifndef MOERL_HAVE_NCCL
+    report(e, org, k,
+           "nccl: this build has no NCCL (configure with -DMOERL_CUDA=ON where the CUDA "
+           "Toolkit and NCCL are installed); use mpi");
+#endif
+}
+
 static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
     const char *tpl = c->rollout.prompt_template, *at = strstr(tpl, "{prompt}");
     if (!at || strstr(at + 1, "{prompt}"))
@@ -808,6 +824,7 @@ static void check_misc(const moerl_config_t *c, const cfg_origin_t *org, config_
         report(e, org, key_index("data", "arith_ops"),
                "expected operators from + - * each at most once, got \"%s\"", ops);
     check_device(c, org, e);
+    check_comm(c, org, e);
     int kv = key_index("rollout", "kv_cache_tokens");
     if (c->rollout.kv_cache_tokens > 0 && c->rollout.kv_cache_tokens < c->model.max_seq_len)
         report(e, org, blame(org, kv, key_index("model", "max_seq_len")),
@@ -936,12 +953,14 @@ static const char *const doc_intro =
     "key), `rollout.merge_adapter: false`, and `lora.train_router` and `lora.train_norms` "
     "off. It runs the learner's forwards and backwards (training step, old and reference "
     "log-probabilities; `moerl sft`'s training step too; with `learner.ranks` > 1 every rank "
-    "on a GPU of its host, the MoE layers exchanging rows over MPI) and the rollout "
+    "on a GPU of its host, the MoE layers exchanging rows over MPI, or over NCCL with "
+    "`learner.comm: nccl`) and the rollout "
     "workers' engine (prefill, decode and sampling, with the KV cache in device memory) on "
     "the GPU; the loss, AdamW and evaluation stay on the CPU. A model the GPU path cannot run "
     "(multi-head latent attention, sigmoid or group-limited routers, shared experts, fp8 "
     "weights) stops the learner and the rollout workers at startup with the reason, and so "
-    "does a missing CUDA device.\n";
+    "does a missing CUDA device.\n"
+    "- `learner.comm: nccl` needs `run.device: cuda` and a build with NCCL.\n";
 
 void config_doc_markdown(FILE *out) {
     moerl_config_t def;

@@ -33,6 +33,7 @@ typedef enum { CFG_KL_K1 = 0, CFG_KL_K2, CFG_KL_K3 } cfg_kl_estimator_t;
 typedef enum { CFG_LR_CONSTANT = 0, CFG_LR_COSINE } cfg_lr_schedule_t;
 typedef enum { CFG_OVERLONG_KEEP = 0, CFG_OVERLONG_FILTER, CFG_OVERLONG_PENALTY } cfg_overlong_t;
 typedef enum { CFG_TASK_ARITH = 0, CFG_TASK_SORT, CFG_TASK_JSONL } cfg_task_t;
+typedef enum { CFG_COMM_MPI = 0, CFG_COMM_NCCL } cfg_comm_t;
 
 typedef struct config_run {
     char *name;         /* run name: logs, metrics, checkpoint metadata */
@@ -114,6 +115,7 @@ typedef struct config_learner {
     int64_t checkpoint_every;
     int keep_checkpoints; /* 0 = keep all */
     int ranks;
+    cfg_comm_t comm; /* the device path's MoE exchanges between ranks */
 } config_learner_t;
 
 typedef struct config_data {

@@ -35,6 +35,7 @@ static const char *const kl_names[] = {"k1", "k2", "k3", NULL};
 static const char *const schedule_names[] = {"constant", "cosine", NULL};
 static const char *const overlong_names[] = {"keep", "filter", "penalty", NULL};
 static const char *const task_names[] = {"arith", "sort", "jsonl", NULL};
+static const char *const comm_names[] = {"mpi", "nccl", NULL};
 
 const char *const cfg_lora_targets[] = {
     "q_proj",   "k_proj",         "v_proj",    "o_proj",    "q_a_proj",  "q_b_proj",
@@ -207,6 +208,10 @@ const cfg_key_t cfg_keys[] = {
           "Steps between checkpoints; 0 saves only at the end."),
     K_INT(learner, keep_checkpoints, 0, 1000000, "3", "Checkpoints kept on disk; 0 keeps all."),
     K_INT(learner, ranks, 1, 4096, "1", "Expert-parallel learner ranks."),
+    K_ENUM(learner, comm, comm_names, "mpi",
+           "With learner.ranks > 1 and run.device cuda: how the ranks' MoE layers exchange "
+           "rows, over MPI staged through host memory (mpi) or between the GPUs' memory "
+           "over NCCL (nccl, one GPU per rank)."),
 
     /* data */
     K_ENUM(data, task, task_names, "arith",

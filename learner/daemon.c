@@ -1018,6 +1018,7 @@ static int load(ld_t *d) {
     trainer_opts_t to = trainer_opts_default();
     to.init_adapter = d->o->init_adapter;
     to.comm = d->o->comm;
+    to.device_comm = d->o->device_comm;
     int rc = trainer_new(&d->t, c, NULL, &to);
     if (rc < 0)
         return mo_error_wrap(rc, "trainer (model.path %s)", c->model.path);

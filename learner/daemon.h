@@ -39,6 +39,7 @@ typedef struct learner_daemon_opts {
     int ready_fd;              /* >= 0: "ready\n" is written there once bound, then closed */
     int metrics_port;          /* -1: metrics.http_port; 0: off; else this port */
     comm_t *comm;              /* learner.ranks > 1: the job's ranks (this is rank 0), or NULL */
+    comm_t *device_comm;       /* learner.comm nccl: the MoE exchanges' ranks, or NULL */
 } learner_daemon_opts_t;
 
 void learner_daemon_opts_default(learner_daemon_opts_t *o, const moerl_config_t *cfg);

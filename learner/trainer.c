@@ -84,14 +84,16 @@ struct trainer_work {
     } while (0)
 
 trainer_opts_t trainer_opts_default(void) {
-    trainer_opts_t o = {NULL, TRAINER_MISMATCH_DROP_SAMPLES, 1, NULL};
+    trainer_opts_t o = {NULL, TRAINER_MISMATCH_DROP_SAMPLES, 1, NULL, NULL};
     return o;
 }
 
 /* ---- Construction -------------------------------------------------------- */
 
 static int hashed_key(const char *section, const char *key) {
-    static const char *const learner_skip[] = {"steps", "checkpoint_every", "keep_checkpoints"};
+    /* comm: how the ranks exchange rows, not what they compute */
+    static const char *const learner_skip[] = {"steps", "checkpoint_every", "keep_checkpoints",
+                                               "comm"};
     if (!strcmp(section, "run"))
         return !strcmp(key, "seed");
     if (!strcmp(section, "model"))
@@ -239,6 +241,8 @@ int trainer_new(trainer_t **out, const moerl_config_t *cfg, model_t *model,
     if (rc == MO_OK && t->opts.comm && comm_size(t->opts.comm) > 1) {
         t->comm = t->opts.comm;
         rc = model_set_comm(t->model, t->comm);
+        if (rc == MO_OK && t->opts.device_comm)
+            rc = model_set_device_comm(t->model, t->opts.device_comm);
     }
     if (rc == MO_OK)
         rc = make_adapter(t, cfg);

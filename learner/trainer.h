@@ -54,6 +54,9 @@ typedef struct trainer_opts {
     int measure_routing;      /* 1: measure routing agreement every step; with routing replay
                                * that costs one more forward without gradients */
     comm_t *comm;             /* expert parallelism over these ranks (borrowed), or NULL */
+    comm_t *device_comm;      /* with comm and run.device cuda: the MoE layers' exchanges
+                               * over this one (same ranks, device memory: NCCL; borrowed;
+                               * model_set_device_comm), or NULL (over comm, staged) */
 } trainer_opts_t;
 
 /* Expert parallelism (opts.comm with N > 1 ranks; docs/parallelism.md): each rank holds

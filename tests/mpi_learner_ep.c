@@ -9,7 +9,9 @@
  * expert weight memory is 1 / N; E not a multiple of N is refused naming both. In builds
  * with CUDA (and as host_mpi_learner_ep over the host twins of the device blocks) the
  * sharded trainer also runs on the device (run.device: cuda), with and without routing
- * replay, KL and entropy, against the same CPU rank. Every
+ * replay, KL and entropy, against the same CPU rank, its rows exchanged over MPI
+ * staged through host memory or over a device-memory communicator (NCCL; in the host
+ * twin an MPI one that says so); a device communicator with other ranks is refused. Every
  * rank runs the suite; the process exits non-zero when any rank failed. */
 #include <math.h>
 #include <mpi.h>
@@ -147,9 +149,11 @@ static comm_t *sub_new(int color) {
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-static trainer_t *ep_trainer(lf_t *f, comm_t *cm) {
+/* dc: the device path's exchanges over it (trainer_opts_t.device_comm), or NULL. */
+static trainer_t *ep_trainer_dc(lf_t *f, comm_t *cm, comm_t *dc) {
     trainer_opts_t o = trainer_opts_default();
     o.comm = cm;
+    o.device_comm = dc;
     trainer_t *t = NULL;
     int rc = trainer_new(&t, &f->cfg, NULL, &o);
     if (rc < 0)
@@ -157,6 +161,10 @@ static trainer_t *ep_trainer(lf_t *f, comm_t *cm) {
                   mo_last_error());
     CU_ASSERT_EQUAL_FATAL(rc, 0);
     return t;
+}
+
+static trainer_t *ep_trainer(lf_t *f, comm_t *cm) {
+    return ep_trainer_dc(f, cm, NULL);
 }
 
 /* Four groups of four samples with distinct rewards, rollout logprobs from ref. */
@@ -260,8 +268,10 @@ static void step_both(trainer_t *ref, trainer_t *ep, sample_group_t **g, int k) 
 
 /* Three optimizer steps, sharded over every rank against one rank; full: the routers
  * and norms trained in full too (replicated, gradients summed over the ranks); cuda: the
- * sharded trainer's model on the CUDA device (the reference stays on the CPU). */
-static void run_equal_on(int replay, int kl_entropy, int full, int cuda) {
+ * sharded trainer's model on the CUDA device (the reference stays on the CPU), its MoE
+ * exchanges over dc when not NULL (a communicator on device memory: none then goes over
+ * g_c), else over g_c staged through host memory. */
+static void run_equal_on(int replay, int kl_entropy, int full, int cuda, comm_t *dc) {
     lf_t f;
     lf_open(&f);
     lf_set(&f, "learner.minibatches", "1");
@@ -288,9 +298,11 @@ static void run_equal_on(int replay, int kl_entropy, int full, int cuda) {
     trainer_t *ref = lf_trainer(&f);
     if (cuda)
         lf_set(&f, "run.device", "cuda");
-    trainer_t *ep = ep_trainer(&f, g_c);
+    trainer_t *ep = ep_trainer_dc(&f, g_c, dc);
     CU_ASSERT_EQUAL_FATAL(trainer_ranks(ep), g_size);
     CU_ASSERT_EQUAL(actor_exec_device(ep->exec), cuda ? DEV_CUDA : DEV_CPU);
+    uint64_t host_x0 = comm_stats(g_c, COMM_OP_ALLTOALLV)->calls;
+    uint64_t dev_x0 = dc ? comm_stats(dc, COMM_OP_ALLTOALLV)->calls : 0;
     CU_ASSERT_EQUAL(ep->adapter->n_full, ref->adapter->n_full);
     CU_ASSERT_EQUAL(ep->optim.n_nd, ref->optim.n_nd);
     if (full)
@@ -312,6 +324,15 @@ static void run_equal_on(int replay, int kl_entropy, int full, int cuda) {
     }
     check_whole(ep, ref->adapter->params, n, TOL, "after 3 steps");
     CU_ASSERT_EQUAL(ep->version, ref->version);
+    if (dc && g_size > 1) { /* every row exchange went over dc, none over g_c */
+        uint64_t dev_x = comm_stats(dc, COMM_OP_ALLTOALLV)->calls - dev_x0;
+        uint64_t host_x = comm_stats(g_c, COMM_OP_ALLTOALLV)->calls - host_x0;
+        if (dev_x == 0 || host_x != 0)
+            tu_report("rank %d: %llu exchanges over the device comm, %llu over the host one",
+                      g_rank, (unsigned long long)dev_x, (unsigned long long)host_x);
+        CU_ASSERT(dev_x > 0);
+        CU_ASSERT_EQUAL(host_x, 0);
+    }
     lf_free_groups(g, 4);
     trainer_destroy(&ep);
     trainer_destroy(&ref);
@@ -319,7 +340,7 @@ static void run_equal_on(int replay, int kl_entropy, int full, int cuda) {
 }
 
 static void run_equal(int replay, int kl_entropy, int full) {
-    run_equal_on(replay, kl_entropy, full, 0);
+    run_equal_on(replay, kl_entropy, full, 0, NULL);
 }
 
 static void test_train_equal(void) {
@@ -477,6 +498,31 @@ static void test_uneven_experts(void) {
     lf_close(&f);
 }
 
+/* A device communicator whose ranks differ from the expert-parallel one's is refused,
+ * naming both. */
+static void test_device_comm_mismatch(void) {
+    if (g_size < 2)
+        return;
+    lf_t f;
+    lf_open(&f);
+    comm_t *one = sub_new(g_rank); /* each rank alone */
+    trainer_opts_t o = trainer_opts_default();
+    o.comm = g_c;
+    o.device_comm = one;
+    trainer_t *t = NULL;
+    CU_ASSERT_EQUAL(trainer_new(&t, &f.cfg, NULL, &o), MO_EINVAL);
+    CU_ASSERT_PTR_NULL(t);
+    char mine[64], theirs[64];
+    snprintf(mine, sizeof mine, "rank 0 of 1");
+    snprintf(theirs, sizeof theirs, "rank %d of %d", g_rank, g_size);
+    if (!strstr(mo_last_error(), mine) || !strstr(mo_last_error(), theirs))
+        tu_report("message: %s", mo_last_error());
+    CU_ASSERT(strstr(mo_last_error(), mine) != NULL);
+    CU_ASSERT(strstr(mo_last_error(), theirs) != NULL);
+    CU_ASSERT_EQUAL(comm_destroy(&one), 0);
+    lf_close(&f);
+}
+
 #ifdef MOERL_HAVE_CUDA
 /* 1 when every rank sees a CUDA device (the host twins see one), else 0 after saying why
  * the device cases are skipped (collective). */
@@ -494,12 +540,54 @@ static int all_have_device(void) {
  * staged through host memory) against one CPU rank. */
 static void test_train_equal_cuda(void) {
     if (all_have_device())
-        run_equal_on(0, 0, 0, 1);
+        run_equal_on(0, 0, 0, 1, NULL);
 }
 
 static void test_train_equal_cuda_replay_kl(void) {
     if (all_have_device())
-        run_equal_on(1, 1, 0, 1);
+        run_equal_on(1, 1, 0, 1, NULL);
+}
+
+/* A communicator on device memory with g_c's ranks, or NULL after saying why there is
+ * none (collective). The host twin's device memory is host memory: there an MPI
+ * communicator that says its buffers are on the device stands for NCCL, and the
+ * exchanges go to it unstaged as they go to NCCL on GPUs. */
+static comm_t *device_comm_new(void) {
+    comm_t *dc = NULL;
+#ifdef MOERL_HOST_TWIN
+    CU_ASSERT_EQUAL_FATAL(comm_mpi_new(&dc), 0);
+    dc->device = DEV_CUDA;
+#elif defined(MOERL_HAVE_NCCL)
+    int n = 0;
+    int64_t short_of = cudaGetDeviceCount(&n) != cudaSuccess || n < comm_local_size(g_c);
+    CU_ASSERT_EQUAL_FATAL(comm_allreduce_sum(g_c, &short_of, &short_of, 1, DT_I64), 0);
+    if (short_of) {
+        if (g_rank == 0)
+            printf("\n  %lld rank(s) share a GPU: NCCL needs one each, the case is skipped\n",
+                   (long long)short_of);
+        return NULL;
+    }
+    int rc = comm_init_from_env(&dc, "nccl");
+    if (rc < 0)
+        tu_report("rank %d: the NCCL communicator: %s", g_rank, mo_last_error());
+    CU_ASSERT_EQUAL_FATAL(rc, 0);
+#else
+    if (g_rank == 0)
+        printf("\n  this build has no NCCL: the case is skipped\n");
+#endif
+    return dc;
+}
+
+/* The same with the MoE layers' rows exchanged over a device-memory communicator (NCCL:
+ * learner.comm nccl), with routing replay, KL and entropy. */
+static void test_train_equal_cuda_device_comm(void) {
+    if (!all_have_device())
+        return;
+    comm_t *dc = device_comm_new();
+    if (!dc)
+        return;
+    run_equal_on(1, 1, 0, 1, dc);
+    CU_ASSERT_EQUAL(comm_destroy(&dc), 0);
 }
 #endif
 
@@ -512,9 +600,11 @@ static CU_TestInfo g_tests[] = {
     {"checkpoint_reshard", test_checkpoint_reshard},
     {"checkpoint_reshard_full", test_checkpoint_reshard_full},
     {"uneven_experts", test_uneven_experts},
+    {"device_comm_mismatch", test_device_comm_mismatch},
 #ifdef MOERL_HAVE_CUDA
     {"train_equal_cuda", test_train_equal_cuda},
     {"train_equal_cuda_replay_kl", test_train_equal_cuda_replay_kl},
+    {"train_equal_cuda_device_comm", test_train_equal_cuda_device_comm},
 #endif
     CU_TEST_INFO_NULL,
 };
@@ -523,6 +613,7 @@ static CU_TestInfo g_tests[] = {
 static CU_TestInfo g_device_tests[] = {
     {"train_equal_cuda", test_train_equal_cuda},
     {"train_equal_cuda_replay_kl", test_train_equal_cuda_replay_kl},
+    {"train_equal_cuda_device_comm", test_train_equal_cuda_device_comm},
     CU_TEST_INFO_NULL,
 };
 #endif

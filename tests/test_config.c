@@ -81,6 +81,7 @@ static void test_table(void) {
                               "learner.kl_estimator",
                               "learner.mismatch_kl_max",
                               "learner.ranks",
+                              "learner.comm",
                               "data.skip_malformed",
                               "transport.curve_server_key",
                               "transport.allow_insecure_remote",
@@ -257,6 +258,15 @@ static const error_case_t error_cases[] = {
     {"cuda device with a merged rollout adapter",
      "run:\n  device: cuda\nrollout:\n  merge_adapter: true\n",
      {"cases/x.yaml:4: rollout.merge_adapter: cuda runs the rollout engine's adapter unmerged"}},
+    {"nccl exchanges on the CPU",
+     "learner:\n  ranks: 2\n  comm: nccl\n",
+     {"cases/x.yaml:3: learner.comm: nccl exchanges the GPUs' memory: it needs run.device: "
+      "cuda"}},
+#ifndef MOERL_HAVE_NCCL
+    {"nccl exchanges without NCCL",
+     "run:\n  device: cuda\nlearner:\n  comm: nccl\n",
+     {"cases/x.yaml:4: learner.comm: nccl: this build has no NCCL", "use mpi"}},
+#endif
     {"null number",
      "learner:\n  lr:\n",
      {"cases/x.yaml:2: learner.lr: expected a number in (0, 1], got null"}},

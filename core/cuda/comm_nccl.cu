@@ -285,6 +285,11 @@ static int pick_device(nccl_impl_t *m, int device) {
         return mo_errorf(MO_EDEVICE, "no CUDA device is visible");
     if (device >= ndev)
         return mo_errorf(MO_EINVAL, "device %d requested, %d visible", device, ndev);
+    if (device < 0 && comm_local_size(m->boot) > ndev)
+        return mo_errorf(MO_EDEVICE,
+                         "%d ranks on this host share %d visible CUDA device(s): NCCL needs "
+                         "one device per rank",
+                         comm_local_size(m->boot), ndev);
     m->dev = device >= 0 ? device : comm_local_rank(m->boot) % ndev;
     CUDA_TRY(cudaSetDevice(m->dev));
     return MO_OK;
