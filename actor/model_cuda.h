@@ -33,10 +33,11 @@ extern "C" {
  * training step refuses a balance loss (aux_coef > 0).
  *
  * Expert parallelism: when the model holds a communicator (model_t.comm, model_set_comm;
- * the exchanges use model_set_device_comm's instead when one is set), the upload takes only the routed experts this rank holds (model_t.ep_e0 .. + ep_n - 1,
- * its E / N share; MO_ECONFIG when they are not the comm rank's), and every MoE layer of
- * the scoring forward, the training step and the decode step runs moe/moe_ep.h's exchange
- * on the device (actor/model_cuda_ep.c): tokens are routed over all E experts and gathered
+ * the exchanges use model_set_device_comm's instead when one is set), the upload takes
+ * only the routed experts this rank holds (model_t.ep_e0 .. + ep_n - 1, its E / N share;
+ * MO_ECONFIG when they are not the comm rank's), and every MoE layer of the scoring
+ * forward, the training step and the decode step runs moe/moe_ep.h's exchange on the device
+ * (actor/model_cuda_ep.c): tokens are routed over all E experts and gathered
  * by expert as without a comm (so each owner's rows are contiguous); the dispatch offsets
  * (E + 1 int32) of the owners' experts go to every owner in one comm_alltoallv and both
  * ends' offsets are copied to the host: ONE HOST SYNC PER MoE LAYER, the only one inside

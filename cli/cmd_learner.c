@@ -89,8 +89,7 @@ static int close_comms(comm_t **cm, comm_t **dcm) {
 /* Ranks 1 .. N - 1: the trainer's shard, following rank 0 until it stops. On an error
  * the communicator is left as it is (another rank may be inside a collective): the
  * non-zero exit makes the launcher end the job. */
-static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t *cm,
-                        comm_t *dcm) {
+static int follower_run(const moerl_config_t *c, const daemon_args_t *a, comm_t *cm, comm_t *dcm) {
     int r = comm_rank(cm);
     signal(SIGTERM, SIG_IGN); /* rank 0 handles stops and tells this rank */
     signal(SIGINT, SIG_IGN);
