@@ -481,6 +481,7 @@ void model_cuda_free(model_cuda_t **pmc) {
     model_cuda_t *mc = *pmc;
     if (mc->be) {
         mc->be->synchronize(mc->be); /* no queued work may still read the blocks */
+        mc_graphs_free(mc);
         mc_train_free(mc);
         mc_ep_free(mc);
         moe_cuda_plan_free(&mc->plan);

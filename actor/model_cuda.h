@@ -182,6 +182,32 @@ int model_cuda_decode_sample(model_cuda_t *mc, const model_cuda_decode_t *b,
                              const cuda_sample_req_t *req, int32_t *token, float *logp,
                              int32_t *status, int use_adapter);
 
+/* CUDA graphs for model_cuda_decode_sample (off until turned on): the step's device work
+ * (the layers, the head and the draws; not the copies in and out) is recorded once per
+ * shape (N, max_blocks, use_adapter and the cache) into a graph and then replayed, one
+ * launch in place of hundreds. A shape's first step runs as usual (it settles the
+ * buffers), the second is recorded, later ones replay while the CUDA backend's pool hands
+ * out no block (backend_cuda_memory_epoch): after any device allocation (a larger
+ * prefill's scratch, an adapter of another layout) a shape runs once as usual and is
+ * recorded again. A graph replays the recorded kernels, so the results are the ordinary
+ * step's bits. 32 shapes are kept (least recently used replaced): a caller that pads its
+ * rows and tables to a few sizes (the rollout engine does) replays nearly every step.
+ * The calling thread must queue on a stream of its own (backend set_stream, with
+ * backend_cuda_stream_new), as the default stream cannot be recorded. When recording
+ * fails, or the upload is expert-parallel (host waits in every MoE layer), the steps run
+ * as usual and model_cuda_graph_stats says why. on 0 drops every graph. */
+int model_cuda_decode_graphs(model_cuda_t *mc, int on);
+
+typedef struct model_cuda_graph_stats {
+    uint64_t captured;    /* graphs recorded */
+    uint64_t replayed;    /* steps launched as a graph (recording's own launch included) */
+    uint64_t eager;       /* steps with graphs on that ran as usual */
+    uint64_t invalidated; /* graphs dropped after a device allocation */
+    char off_reason[256]; /* why graphs went off, "" while on */
+} model_cuda_graph_stats_t;
+/* Zeros when graphs were never turned on. */
+void model_cuda_graph_stats(const model_cuda_t *mc, model_cuda_graph_stats_t *s);
+
 /* The rollout engine's prefill on the device: S prompts, packed, each from position 0,
  * through every layer as model_cuda_logprobs runs them (causal attention within each
  * prompt, the layer's sliding window honoured), with every layer's keys and values of every

@@ -181,8 +181,30 @@ int mc_head_out(model_cuda_t *mc, float *hf, float *rstd, const float *x, int n,
     return MO_OK;
 }
 
+/* The step's device work after its inputs are up. */
+typedef struct {
+    int N, ad;
+    float *logits; /* host: copied out chunk by chunk; NULL: sampled on the device */
+} step_t;
+
 /* The layers, queued with no host sync; then the head: the logits chunk by chunk, each
- * copied into host memory (logits) or sampled on the device (req). */
+ * copied into host memory (logits) or sampled on the device. */
+static int layers_and_head(model_cuda_t *mc, void *arg) {
+    const step_t *st = arg;
+    int N = st->N;
+    const mc_scratch_t *s = &mc->s;
+    mc->be->k->embedding_forward(s->x, mc->did.tok, &mc->embed, N, mc->D);
+    mc_acts_t a = mc_scoring_acts(s);
+    for (int l = 0; l < mc->L; l++) {
+        int rc = mc_layer_forward(mc, l, &a, N, 1, st->ad);
+        if (rc < 0)
+            return mo_error_wrap(rc, "layer %d", l);
+    }
+    return mc_head_out(mc, s->hf, s->rstd, s->x, N, mc_logits_rows(mc, N), st->logits);
+}
+
+/* The inputs up, then the device work: through mc_graph_run when sampling (no host copy
+ * inside), directly when the logits come out. */
 static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
                const cuda_sample_req_t *req, int ad, const char *fn) {
     int N = b->N;
@@ -194,15 +216,11 @@ static int run(model_cuda_t *mc, const model_cuda_decode_t *b, float *logits,
     mc_kv_t kv = {b->kv, b->NB, b->BS, mc->dtables, b->max_blocks, NULL, 1};
     mc->kv = kv;
     mc->attend = attend_paged;
-    const mc_scratch_t *s = &mc->s;
-    mc->be->k->embedding_forward(s->x, mc->did.tok, &mc->embed, N, mc->D);
-    mc_acts_t a = mc_scoring_acts(s);
-    for (int l = 0; l < mc->L; l++) {
-        int rc = mc_layer_forward(mc, l, &a, N, 1, ad);
-        if (rc < 0)
-            return mo_error_wrap(rc, "layer %d", l);
-    }
-    return mc_head_out(mc, s->hf, s->rstd, s->x, N, mc_logits_rows(mc, N), logits);
+    step_t st = {N, ad, logits};
+    if (logits)
+        return layers_and_head(mc, &st);
+    mc_graph_key_t key = {N, b->max_blocks, ad, b->NB, b->BS, b->kv};
+    return mc_graph_run(mc, &key, layers_and_head, &st);
 }
 
 /* The step with its logits copied out (sample 0: logits) or sampled (sample 1: req and

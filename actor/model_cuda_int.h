@@ -157,7 +157,29 @@ struct model_cuda {
     float *dlogp;            /* (N) their log-probabilities */
     void *dmem;
     size_t dcap;
+    struct mc_graphs *graphs; /* model_cuda_decode_graphs' recorded steps, or NULL (off) */
 };
+
+/* ---- CUDA graphs of the decode step (model_cuda_graph.c) ---- */
+
+/* What a recorded step's kernels and their arguments depend on besides the buffers'
+ * addresses: the rows, the tables' width, the adapter, the cache. */
+typedef struct mc_graph_key {
+    int N, max_blocks, ad, NB, BS;
+    const float *kv;
+} mc_graph_key_t;
+
+/* A step's device work, queued on the thread's stream without waiting or allocating. */
+typedef int (*mc_work_fn)(model_cuda_t *mc, void *arg);
+
+/* Runs work for a step of shape key: without graphs (or after they failed) as it is;
+ * else the first step of a shape as it is (it settles the buffers), the next one recorded
+ * into a graph and launched, later ones replaying that graph while
+ * backend_cuda_memory_epoch is unchanged (a step after any device allocation is an
+ * ordinary one again, then recorded anew). Replays read the inputs from the buffers the
+ * recording read: the caller uploads them to the same places first. */
+int mc_graph_run(model_cuda_t *mc, const mc_graph_key_t *key, mc_work_fn work, void *arg);
+void mc_graphs_free(model_cuda_t *mc);
 
 /* Grow-only carving of a pool block: base NULL only measures. */
 typedef struct mc_bump {

@@ -19,6 +19,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/backend.h"
@@ -439,6 +440,120 @@ static int cu_synchronize(const backend_t *be) {
 
 void *backend_cuda_stream(void) {
     return (void *)t_tls.stream;
+}
+
+extern "C" int backend_cuda_stream_new(void **out) {
+    *out = NULL;
+    TRY(cuda_enter());
+    CUDA_TRY(cudaDeviceSynchronize());
+    cudaStream_t st = NULL;
+    CUDA_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    *out = (void *)st;
+    return MO_OK;
+}
+
+extern "C" void backend_cuda_stream_free(void *stream) {
+    if (!stream || cuda_enter() < 0)
+        return;
+    cudaStream_t st = (cudaStream_t)stream;
+    cudaError_t e = cudaStreamSynchronize(st);
+    if (e == cudaSuccess)
+        e = cudaStreamDestroy(st);
+    if (e != cudaSuccess)
+        cuda_fail(e, "cudaStreamDestroy", __FILE__, __LINE__);
+}
+
+extern "C" uint64_t backend_cuda_memory_epoch(void) {
+    std::lock_guard<std::mutex> lk(g.pool.mu);
+    return g.pool.allocs;
+}
+
+struct cuda_graph {
+    cudaGraphExec_t exec;
+};
+
+/* Whether no error was recorded when this thread's capture began: a capture that fails
+ * records the failing call's error, which belongs to the capture alone and is dropped
+ * with it. */
+static thread_local int t_capture_clean;
+
+static int errors_recorded(void) {
+    std::lock_guard<std::mutex> lk(g.err_mu);
+    return g.err_code != 0;
+}
+
+/* Drops what a failed capture recorded (when nothing was recorded before it). */
+static void drop_capture_errors(void) {
+    cudaGetLastError();
+    if (!t_capture_clean)
+        return;
+    std::lock_guard<std::mutex> lk(g.err_mu);
+    g.err_code = 0;
+    g.err_msg[0] = '\0';
+}
+
+extern "C" int backend_cuda_capture_begin(void) {
+    TRY(cuda_enter());
+    if (!t_tls.stream)
+        return mo_errorf(MO_EUNSUPPORTED,
+                         "cuda graphs: the default stream cannot be captured (set a stream)");
+    t_capture_clean = !errors_recorded();
+    cudaError_t e = cudaStreamBeginCapture(t_tls.stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        drop_capture_errors();
+        return mo_errorf(MO_EDEVICE, "cuda graphs: cudaStreamBeginCapture: %s",
+                         cudaGetErrorString(e));
+    }
+    return MO_OK;
+}
+
+extern "C" int backend_cuda_capture_end(cuda_graph_t **out, int discard) {
+    *out = NULL;
+    TRY(cuda_enter());
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(t_tls.stream, &graph);
+    if (discard) {
+        if (graph)
+            cudaGraphDestroy(graph);
+        drop_capture_errors();
+        return MO_OK;
+    }
+    if (e != cudaSuccess) {
+        drop_capture_errors(); /* the capture's error is reported here, not left for later */
+        if (graph)
+            cudaGraphDestroy(graph);
+        return mo_errorf(MO_EDEVICE, "cuda graphs: cudaStreamEndCapture: %s",
+                         cudaGetErrorString(e));
+    }
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+        drop_capture_errors();
+        return mo_errorf(MO_EDEVICE, "cuda graphs: cudaGraphInstantiate: %s",
+                         cudaGetErrorString(e));
+    }
+    cuda_graph_t *g = (cuda_graph_t *)calloc(1, sizeof *g);
+    if (!g) {
+        cudaGraphExecDestroy(exec);
+        return mo_errorf(MO_ENOMEM, "cuda graphs: out of memory");
+    }
+    g->exec = exec;
+    *out = g;
+    return MO_OK;
+}
+
+extern "C" int backend_cuda_graph_launch(const cuda_graph_t *g) {
+    TRY(cuda_enter());
+    CUDA_TRY(cudaGraphLaunch(g->exec, t_tls.stream));
+    return MO_OK;
+}
+
+extern "C" void backend_cuda_graph_free(cuda_graph_t *g) {
+    if (!g)
+        return;
+    cudaGraphExecDestroy(g->exec);
+    free(g);
 }
 
 static void cu_set_stream(const backend_t *be, void *stream) {

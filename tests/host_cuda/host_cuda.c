@@ -103,6 +103,42 @@ void *backend_cuda_stream(void) {
     return NULL; /* the host twin runs in order */
 }
 
+/* Streams and graphs: the host twin runs in order and records nothing, so a capture is
+ * refused and the decode step's graph path falls back to running its work as it is. */
+static char g_stream_token;
+
+int backend_cuda_stream_new(void **out) {
+    *out = &g_stream_token;
+    return MO_OK;
+}
+
+void backend_cuda_stream_free(void *stream) {
+    (void)stream;
+}
+
+uint64_t backend_cuda_memory_epoch(void) {
+    return g_allocs;
+}
+
+int backend_cuda_capture_begin(void) {
+    return mo_errorf(MO_EUNSUPPORTED, "host twin: no CUDA graphs");
+}
+
+int backend_cuda_capture_end(cuda_graph_t **out, int discard) {
+    (void)discard;
+    *out = NULL;
+    return mo_errorf(MO_ESTATE, "host twin: no capture in progress");
+}
+
+int backend_cuda_graph_launch(const cuda_graph_t *g) {
+    (void)g;
+    return mo_errorf(MO_ESTATE, "host twin: no CUDA graphs");
+}
+
+void backend_cuda_graph_free(cuda_graph_t *g) {
+    (void)g;
+}
+
 int backend_cuda_device_info(cuda_device_info_t *info) {
     memset(info, 0, sizeof *info);
     strcpy(info->name, "host twin");
