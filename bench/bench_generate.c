@@ -7,6 +7,7 @@
  * usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G]
  *                       [--prompt-len P] [--max-tokens N] [--single S] [--python PY]
  *                       [--peer FILE | --no-peer] [--device cpu|cuda] [--adapter-rank R]
+ *                       [--cuda-graphs]
  *
  * Without --model, a `moerl init-model --arch qwen3_moe --size small` model (bf16) is
  * written to a temporary directory. Prompts are NP random byte sequences of P tokens;
@@ -23,7 +24,8 @@
  * between two weight updates runs (B random in [-0.01, 0.01], so every adapter path
  * computes); the peer loads the same adapter (PEFT files).
  * --device cuda runs the engine on the GPU (engine_opts_t.device; builds with the CUDA
- * backend); the peer, which runs on the CPU, is then left out. */
+ * backend); the peer, which runs on the CPU, is then left out. --cuda-graphs replays the
+ * device's decode steps as CUDA graphs (engine_opts_t.cuda_graphs). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +47,7 @@
 typedef struct args {
     const char *model, *python, *peer;
     int threads, prompts, n, prompt_len, max_tokens, single, no_peer, adapter_rank;
+    int cuda_graphs; /* --cuda-graphs: device decode steps replayed as CUDA graphs */
     device_t device;
 } args_t;
 
@@ -52,6 +55,8 @@ typedef struct result {
     int64_t tokens;
     double seconds; /* wall clock */
     double cpu;     /* process CPU time (all threads) */
+    uint64_t graph_steps, eager_steps; /* --cuda-graphs: steps replayed, steps as usual */
+    char graphs_off[256];              /* why graphs went off, if they did */
 } result_t;
 
 static double clock_s(clockid_t id) {
@@ -61,14 +66,15 @@ static double clock_s(clockid_t id) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G] "
-                    "[--prompt-len P] [--max-tokens N] [--single S] [--python PY] "
-                    "[--peer FILE | --no-peer] [--device cpu|cuda] [--adapter-rank R]\n");
+    fprintf(stderr,
+            "usage: bench_generate [--model DIR] [--threads N] [--prompts NP] [-n G] "
+            "[--prompt-len P] [--max-tokens N] [--single S] [--python PY] "
+            "[--peer FILE | --no-peer] [--device cpu|cuda] [--adapter-rank R] [--cuda-graphs]\n");
     return 2;
 }
 
 static int parse_args(args_t *a, int argc, char **argv) {
-    *a = (args_t){NULL, "/usr/bin/python3", NULL, 1, 64, 8, 32, 64, 2, 0, 0, DEV_CPU};
+    *a = (args_t){NULL, "/usr/bin/python3", NULL, 1, 64, 8, 32, 64, 2, 0, 0, 0, DEV_CPU};
     const char *py = getenv("MOERL_PYTHON");
     if (py && *py)
         a->python = py;
@@ -76,6 +82,10 @@ static int parse_args(args_t *a, int argc, char **argv) {
         const char *o = argv[i];
         if (!strcmp(o, "--no-peer")) {
             a->no_peer = 1;
+            continue;
+        }
+        if (!strcmp(o, "--cuda-graphs")) {
+            a->cuda_graphs = 1;
             continue;
         }
         if (i + 1 >= argc)
@@ -137,11 +147,12 @@ static gen_request_t request(uint64_t id, const int32_t *prompt, int P, int n, f
 }
 
 /* Runs reqs (nr) on an engine with room for max_batch samples; adds to *res. */
-static int run(model_t *m, device_t dev, const lora_adapter_t *ad, const gen_request_t *reqs,
+static int run(model_t *m, const args_t *a, const lora_adapter_t *ad, const gen_request_t *reqs,
                int nr, int max_batch, int max_seq, result_t *res, gen_group_t **keep) {
     engine_opts_t o;
     memset(&o, 0, sizeof o);
-    o.device = dev;
+    o.device = a->device;
+    o.cuda_graphs = a->cuda_graphs;
     o.max_batch = max_batch;
     o.max_seq_len = max_seq;
     o.max_prefill_tokens = 8192;
@@ -158,6 +169,12 @@ static int run(model_t *m, device_t dev, const lora_adapter_t *ad, const gen_req
     rc = engine_generate(e, reqs, nr, g);
     res->seconds += clock_s(CLOCK_MONOTONIC) - t0;
     res->cpu += clock_s(CLOCK_PROCESS_CPUTIME_ID) - c0;
+    engine_graph_stats_t gs;
+    engine_get_graph_stats(e, &gs);
+    res->graph_steps += gs.replayed;
+    res->eager_steps += gs.eager;
+    if (gs.off_reason[0])
+        snprintf(res->graphs_off, sizeof res->graphs_off, "%s", gs.off_reason);
     for (int i = 0; i < nr; i++) {
         if (g[i] && g[i]->status < 0 && rc == MO_OK)
             rc = mo_errorf(g[i]->status, "%s", g[i]->error);
@@ -277,8 +294,8 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
         for (int t = 0; prompts[i] && t < P; t++)
             prompts[i][t] = (int32_t)(rng_uniform(2024, (uint64_t)i, (uint64_t)t) * 256.0f) % 256;
     }
-    result_t warm = {0, 0, 0}, batched = {0, 0, 0}, single = {0, 0, 0}, greedy = {0, 0, 0};
-    result_t torch[2] = {{0, 0, 0}, {0, 0, 0}};
+    result_t warm = {0}, batched = {0}, single = {0}, greedy = {0};
+    result_t torch[2] = {{0}, {0}};
     gen_group_t *check[2] = {NULL, NULL};
     int check_tokens = N < 16 ? N : 16, eq = -1, total = 0;
     for (int i = 0; i < NP; i++)
@@ -289,18 +306,18 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
     if (a->adapter_rank > 0)
         rc = make_adapter(&ad, m, a->adapter_rank, tmp, adir, sizeof adir);
     if (rc == MO_OK)
-        rc = run(m, dev, ad, reqs, 2, 2 * G, max_seq, &warm, NULL);
+        rc = run(m, a, ad, reqs, 2, 2 * G, max_seq, &warm, NULL);
     if (rc == MO_OK)
-        rc = run(m, dev, ad, reqs, NP, NP * G, max_seq, &batched, NULL);
+        rc = run(m, a, ad, reqs, NP, NP * G, max_seq, &batched, NULL);
     for (int i = 0; rc == MO_OK && i < a->single; i++)
         for (int j = 0; j < G; j++) {
             gen_request_t r = request((uint64_t)(i * G + j), prompts[i], P, 1, 1.0f, N);
-            rc = run(m, dev, ad, &r, 1, 1, max_seq, &single, NULL);
+            rc = run(m, a, ad, &r, 1, 1, max_seq, &single, NULL);
         }
     gen_request_t gr[2] = {request(0, prompts[0], P, 1, 0.0f, check_tokens),
                            request(1, prompts[1], P, 1, 0.0f, check_tokens)};
     if (rc == MO_OK)
-        rc = run(m, dev, ad, gr, 2, 2, max_seq, &greedy, check);
+        rc = run(m, a, ad, gr, 2, 2, max_seq, &greedy, check);
     char job[1100];
     snprintf(job, sizeof job, "%s/job.json", tmp);
     if (rc == MO_OK && !a->no_peer)
@@ -325,6 +342,14 @@ static int bench(const args_t *a, const char *model_dir, const char *tmp) {
                    : "vector units (CPU kernel table)");
         show("moerl batched", &batched);
         show("moerl single", &single);
+        if (a->cuda_graphs)
+            printf("cuda graphs: batched %llu of %llu decode steps replayed, single %llu of "
+                   "%llu%s%s\n",
+                   (unsigned long long)batched.graph_steps,
+                   (unsigned long long)(batched.graph_steps + batched.eager_steps),
+                   (unsigned long long)single.graph_steps,
+                   (unsigned long long)(single.graph_steps + single.eager_steps),
+                   batched.graphs_off[0] ? "; off: " : "", batched.graphs_off);
         if (!a->no_peer) {
             show("torch batched", &torch[0]);
             show("torch single", &torch[1]);

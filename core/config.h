@@ -78,6 +78,7 @@ typedef struct config_rollout {
     char *prompt_template; /* contains "{prompt}" once */
     bool merge_adapter;
     bool packed_weights;
+    bool cuda_graphs; /* device decode steps replayed as CUDA graphs */
     bool record_prompt_routing;
 } config_rollout_t;
 

@@ -134,6 +134,10 @@ const cfg_key_t cfg_keys[] = {
     K_BOOL(rollout, merge_adapter, "false",
            "Merge the adapter into a copy of the adapted base weights for generation (faster "
            "decode, more memory)."),
+    K_BOOL(rollout, cuda_graphs, "false",
+           "With run.device cuda: record each decode step's shape once as a CUDA graph and "
+           "replay it (rows padded to a few sizes), one launch per step instead of one per "
+           "kernel."),
     K_BOOL(rollout, packed_weights, "true",
            "On CPUs with AMX tiles, keep a copy of the bf16 weights in the tiles' layout "
            "(faster generation, one more copy of those weights in memory)."),

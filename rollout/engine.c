@@ -33,6 +33,7 @@ void engine_opts_from_config(engine_opts_t *o, const moerl_config_t *c) {
     o->kv_cache_tokens = c->rollout.kv_cache_tokens;
     o->merge_adapter = c->rollout.merge_adapter;
     o->no_packed_weights = !c->rollout.packed_weights;
+    o->cuda_graphs = c->rollout.cuda_graphs;
     o->device = c->run.device;
 }
 
@@ -263,6 +264,23 @@ int engine_set_adapter(engine_t *e, const lora_adapter_t *ad, int64_t version) {
     e->adapter = ad;
     e->version = version;
     return MO_OK;
+}
+
+void engine_get_graph_stats(const engine_t *e, engine_graph_stats_t *s) {
+    memset(s, 0, sizeof *s);
+#ifdef MOERL_HAVE_CUDA
+    if (!e || !e->dev)
+        return;
+    model_cuda_graph_stats_t g;
+    engine_cuda_graph_stats(e, &g);
+    s->captured = g.captured;
+    s->replayed = g.replayed;
+    s->eager = g.eager;
+    s->invalidated = g.invalidated;
+    snprintf(s->off_reason, sizeof s->off_reason, "%s", g.off_reason);
+#else
+    (void)e;
+#endif
 }
 
 engine_stats_t engine_get_stats(const engine_t *e) {

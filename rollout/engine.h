@@ -85,6 +85,12 @@ typedef struct engine_opts {
                               * Needs a build with CUDA and a device, and a model the CUDA path
                               * runs (MO_ECONFIG names what is missing); merge_adapter is
                               * refused there. */
+    int cuda_graphs;         /* device mode: decode steps recorded as CUDA graphs and replayed
+                              * (model_cuda_decode_graphs); their rows padded to 1, 2, 4, 8,
+                              * then multiples of 8, and their tables to powers of two, so
+                              * few shapes cover every step; the engine's device work runs
+                              * on a stream of its own. Padding changes a real row's results
+                              * only in rounding (the products' shapes change). */
 } engine_opts_t;
 
 /* The rollout section of a job config (and model.max_seq_len) as engine options. */
@@ -200,6 +206,17 @@ size_t engine_kv_token_bytes(const engine_t *e);
 int engine_generate(engine_t *e, const gen_request_t *reqs, int n, gen_group_t **out);
 
 engine_stats_t engine_get_stats(const engine_t *e);
+
+/* Device mode with opts.cuda_graphs: the decode steps' CUDA graphs (actor/model_cuda.h's
+ * model_cuda_graph_stats). Zeros without them. */
+typedef struct engine_graph_stats {
+    uint64_t captured;    /* graphs recorded */
+    uint64_t replayed;    /* steps launched as a graph */
+    uint64_t eager;       /* steps run kernel by kernel while graphs were on */
+    uint64_t invalidated; /* graphs dropped after a device allocation */
+    char off_reason[256]; /* why graphs went off ("" while they are on) */
+} engine_graph_stats_t;
+void engine_get_graph_stats(const engine_t *e, engine_graph_stats_t *s);
 /* The effective options (defaults resolved). */
 engine_opts_t engine_get_opts(const engine_t *e);
 

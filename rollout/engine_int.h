@@ -2,6 +2,7 @@
  * steps on the CPU) and engine_cuda.c (the same steps on the CUDA device). */
 #ifndef MOERL_ROLLOUT_ENGINE_INT_H
 #define MOERL_ROLLOUT_ENGINE_INT_H
+#include "actor/model_cuda.h"
 #include "core/arena.h"
 #include "core/status.h"
 #include "rollout/decode.h"
@@ -88,6 +89,10 @@ void engine_cuda_close(engine_t *e);
 int engine_cuda_bind(engine_t *e);
 /* Block src's keys and values into block dst, every layer (a fork's partial block). */
 int engine_cuda_copy_block(engine_t *e, int32_t src, int32_t dst);
+#ifdef MOERL_HAVE_CUDA
+/* The decode steps' CUDA graphs (zeros without them). */
+void engine_cuda_graph_stats(const engine_t *e, model_cuda_graph_stats_t *s);
+#endif
 /* The prefill of S prompt copies (tokens, cu as prefill_rows leaves them; sequence i's
  * blocks in seqs[cu[i]]) with routing (N, M, K) or NULL, and n_jobs draws: draw j for
  * sample smp[j] from the last row of sequence seq[j]. tok, lp, rc (n_jobs) receive them. */

@@ -71,22 +71,28 @@ run_bench() {
 
 # The rollout engine on the GPU (bench_generate --device cuda, a small Qwen3-MoE in bf16):
 # tokens/s of 64 prompts x 8 samples batched and of single sequences, without an adapter
-# and with a rank-16 LoRA adapter on attention and experts (as a rollout runs the policy).
+# and with a rank-16 LoRA adapter on attention and experts (as a rollout runs the policy),
+# then that adapter with the decode steps replayed as CUDA graphs (rollout.cuda_graphs).
 run_engine_bench() {
-    local exe=$1 failed=0 rank log what rc
-    for rank in 0 16; do
-        log="$logs/bench_generate_r$rank.log"
+    local exe=$1 failed=0 run rank graphs log what rc
+    for run in 0 16 16g; do
+        rank=${run%g}
+        graphs=()
+        [[ $run == *g ]] && graphs=(--cuda-graphs)
+        log="$logs/bench_generate_r$run.log"
         what="engine (cuda)"
         [[ $rank == 0 ]] || what="engine, LoRA r$rank (cuda)"
-        echo "=== rollout engine on the GPU, adapter rank $rank ==="
+        [[ $run == *g ]] && what="engine, LoRA r$rank, graphs"
+        echo "=== rollout engine on the GPU, adapter rank $rank ${graphs[*]} ==="
         "$exe" --device cuda --prompts 64 -n 8 --prompt-len 32 --max-tokens 64 --single 2 \
-            --adapter-rank "$rank" 2>&1 | tee "$log"
+            --adapter-rank "$rank" "${graphs[@]}" 2>&1 | tee "$log"
         rc=${PIPESTATUS[0]}
         if [[ $rc == 0 ]]; then
             note "$what batched" "$(awk '/^moerl batched/ {print $4 " tokens/s"}' "$log")"
             note "$what single" "$(awk '/^moerl single/ {print $4 " tokens/s"}' "$log")"
+            [[ $run == *g ]] && note "graphs replayed" "$(sed -n 's/^cuda graphs: //p' "$log")"
         else
-            note "bench_generate r$rank" "FAILED (exit $rc)"
+            note "bench_generate r$run" "FAILED (exit $rc)"
             failed=1
         fi
     done

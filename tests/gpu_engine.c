@@ -98,13 +98,21 @@ static engine_t *new_engine(fx_t *f, const engine_opts_t *o) {
     return e;
 }
 
-/* Runs the requests to completion on an engine with options o. */
-static void run(fx_t *f, const engine_opts_t *o, const reqs_t *q, gen_group_t **out) {
+/* Runs the requests to completion on an engine with options o; gs (or NULL) receives its
+ * CUDA graphs' counts. */
+static void run_on(fx_t *f, const engine_opts_t *o, const reqs_t *q, gen_group_t **out,
+                   engine_graph_stats_t *gs) {
     engine_t *e = new_engine(f, o);
     TU_CHECK_RC(engine_generate(e, q->r, NREQ, out));
     engine_stats_t st = engine_get_stats(e);
     CU_ASSERT(st.waited > 0); /* the batch and the cache were short: requests waited */
+    if (gs)
+        engine_get_graph_stats(e, gs);
     engine_destroy(&e);
+}
+
+static void run(fx_t *f, const engine_opts_t *o, const reqs_t *q, gen_group_t **out) {
+    run_on(f, o, q, out, NULL);
 }
 
 static void free_groups(gen_group_t **g) {
@@ -212,6 +220,38 @@ static void check_model(model_arch_t arch, dtype_t dt, int no_prefix_sharing, co
     fx_close(&f);
 }
 
+/* Decode steps replayed as CUDA graphs (rows padded to 1, 2, 4, 8, 8k): the CPU engine's
+ * tokens, routing and logprobs as without graphs; on a GPU steps replay recorded graphs,
+ * in the host twin (no graphs) every step runs as usual and the reason is kept. */
+static void test_qwen3_graphs(void) {
+    fx_t f;
+    fx_open(&f, ARCH_QWEN3_MOE, DT_F32);
+    reqs_t q;
+    make_reqs(&q, f.m);
+    gen_group_t *c[NREQ], *d[NREQ];
+    engine_opts_t oc = small_opts(DEV_CPU), od = small_opts(DEV_CUDA);
+    od.cuda_graphs = 1;
+    engine_graph_stats_t gs;
+    run(&f, &oc, &q, c);
+    run_on(&f, &od, &q, d, &gs);
+    expect_same(d, c, "qwen3-moe f32, cuda graphs");
+    printf("  graphs: %llu recorded, %llu steps replayed, %llu as usual, %llu dropped%s%s\n",
+           (unsigned long long)gs.captured, (unsigned long long)gs.replayed,
+           (unsigned long long)gs.eager, (unsigned long long)gs.invalidated,
+           gs.off_reason[0] ? "; off: " : "", gs.off_reason);
+#ifdef MOERL_HOST_TWIN
+    CU_ASSERT(gs.captured == 0 && gs.replayed == 0 && gs.eager > 0);
+    CU_ASSERT(strstr(gs.off_reason, "no CUDA graphs") != NULL);
+#else
+    CU_ASSERT_STRING_EQUAL(gs.off_reason, "");
+    CU_ASSERT(gs.captured > 0);
+    CU_ASSERT(gs.replayed > gs.captured); /* recorded shapes came again */
+#endif
+    free_groups(c);
+    free_groups(d);
+    fx_close(&f);
+}
+
 static void test_qwen3_f32(void) {
     check_model(ARCH_QWEN3_MOE, DT_F32, 0, "qwen3-moe f32");
 }
@@ -311,6 +351,7 @@ static void test_refusals(void) {
 
 static CU_TestInfo g_tests[] = {
     {"qwen3_f32", test_qwen3_f32},
+    {"qwen3_graphs", test_qwen3_graphs},
     {"mixtral_window", test_mixtral_window},
     {"separate_prefill", test_separate_prefill},
     {"qwen3_bf16", test_qwen3_bf16},
