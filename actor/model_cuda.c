@@ -640,8 +640,12 @@ int mc_block_ready(model_cuda_t *mc, void **mem, size_t *cap, size_t need) {
 }
 
 int mc_plan_ready(const model_cuda_t *mc, moe_cuda_plan_t *plan, int *plan_T, int T) {
-    if (mc->n_moe == 0 || *plan_T == T)
+    if (mc->n_moe == 0)
         return MO_OK;
+    if (plan->mem && T <= *plan_T) { /* the arrays hold T K slots: no new block */
+        plan->T = T;
+        return MO_OK;
+    }
     moe_cuda_plan_free(plan);
     *plan_T = -1;
     TRY(moe_cuda_plan_alloc(plan, T, mc->K, mc->E));

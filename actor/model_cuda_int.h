@@ -133,7 +133,7 @@ struct model_cuda {
     int kv_NB, kv_BS;         /* its blocks and tokens per block */
     void *smem;               /* the pool block of scratch */
     size_t scap;              /* its bytes */
-    moe_cuda_plan_t plan;     /* for plan_T tokens */
+    moe_cuda_plan_t plan;     /* for up to plan_T tokens (plan.T: this call's) */
     int plan_T;
     int replay; /* 1: this call's batch replays its routing */
     mc_scratch_t s;
@@ -199,7 +199,9 @@ int mc_scratch_ready(model_cuda_t *mc, int T, int B);
 /* *mem (a pool block of *cap bytes) holds at least need bytes: a larger block replaces it
  * (its contents are not kept). */
 int mc_block_ready(model_cuda_t *mc, void **mem, size_t *cap, size_t need);
-/* *plan sized for T tokens (*plan_T) when the model has MoE layers. */
+/* *plan ready for T tokens when the model has MoE layers: *plan_T is the tokens its arrays
+ * hold, grown (a new pool block) only for a larger T, so alternating prefills and decode
+ * steps allocate nothing once the largest has come (CUDA graphs stay valid). */
 int mc_plan_ready(const model_cuda_t *mc, moe_cuda_plan_t *plan, int *plan_T, int T);
 /* The expert blocks' activation pointers of layer activations a (the LoRA inputs only for
  * the adapted projections of w). */

@@ -24,7 +24,7 @@ struct mc_train {
     float temperature;
     const lora_adapter_t *ad; /* bound at the forward */
     mc_ids_t id;              /* the batch's ids and every MoE layer's routing */
-    moe_cuda_plan_t plan;     /* for plan_T tokens */
+    moe_cuda_plan_t plan;     /* for up to plan_T tokens (plan.T: this call's) */
     int plan_T;
     mc_acts_t *acts;          /* (L) host array: each layer's kept buffers on the device */
     float *x0;                /* (T, D) embedding output, the input of layer 0 */
