@@ -15,6 +15,8 @@
 #                                    Toolkit but not moerl's build dependencies
 #   scripts/gpu-check.sh --run DIR   on that GPU machine: run what --pack put in
 #                                    DIR (each test, 77 = skipped; the benchmark)
+#   DIR may also name an archive, DIR.tar.xz: --pack then writes the bundle
+#   into it (about 8 MB instead of about 60), and --run unpacks it first.
 #
 # Environment: BUILD_DIR (default build/gpu), JOBS (default: all cores),
 # LOG_DIR (optional: each step's full log is copied there).
@@ -83,7 +85,7 @@ run_engine_bench() {
         what="engine (cuda)"
         [[ $rank == 0 ]] || what="engine, LoRA r$rank (cuda)"
         [[ $run == *g ]] && what="engine, LoRA r$rank, graphs"
-        echo "=== rollout engine on the GPU, adapter rank $rank ${graphs[*]} ==="
+        echo "=== rollout engine on the GPU, adapter rank $rank${graphs:+ ${graphs[*]}} ==="
         "$exe" --device cuda --prompts 64 -n 8 --prompt-len 32 --max-tokens 64 --single 2 \
             --adapter-rank "$rank" "${graphs[@]}" 2>&1 | tee "$log"
         rc=${PIPESTATUS[0]}
@@ -126,6 +128,29 @@ mode_build_and_check() {
 skip_lib() {
     [[ $1 =~ ^(libc|libm|libdl|libpthread|librt|libresolv|libutil|ld-linux.*|libstdc\+\+|libgcc_s)\.so ]] ||
         [[ $1 =~ ^lib(cuda|cudart|cublas|cublasLt|nccl|nvidia|nvrtc|nvJitLink)[.-] ]]
+}
+
+# --pack into an archive: the bundle in a temporary folder, then xz-compressed.
+mode_pack_archive() {
+    local archive=$1 tmp
+    tmp=$(mktemp -d) || return 1
+    mode_pack "$tmp/gpu-pack" &&
+        tar -cJf "$archive" -C "$tmp" gpu-pack &&
+        echo "archived into $archive ($(du -h "$archive" | cut -f1))"
+    local rc=$?
+    rm -rf "$tmp"
+    return $rc
+}
+
+# --run from an archive: unpacked into a temporary folder.
+mode_run_archive() {
+    local archive=$1 tmp
+    tmp=$(mktemp -d) || return 1
+    tar -xJf "$archive" -C "$tmp" || { rm -rf "$tmp"; return 1; }
+    mode_run "$tmp/gpu-pack"
+    local rc=$?
+    rm -rf "$tmp"
+    return $rc
 }
 
 mode_pack() {
@@ -201,8 +226,12 @@ mode_run() {
 
 case "${1:-}" in
 "") mode_build_and_check ;;
---pack) [[ $# == 2 ]] || { echo "usage: $0 --pack DIR" >&2; exit 2; }; mode_pack "$2" ;;
---run) [[ $# == 2 ]] || { echo "usage: $0 --run DIR" >&2; exit 2; }; mode_run "$2" ;;
--h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' ;;
-*) echo "usage: $0 [--pack DIR | --run DIR]" >&2; exit 2 ;;
+--pack)
+    [[ $# == 2 ]] || { echo "usage: $0 --pack DIR|DIR.tar.xz" >&2; exit 2; }
+    if [[ $2 == *.tar.xz ]]; then mode_pack_archive "$2"; else mode_pack "$2"; fi ;;
+--run)
+    [[ $# == 2 ]] || { echo "usage: $0 --run DIR|DIR.tar.xz" >&2; exit 2; }
+    if [[ $2 == *.tar.xz ]]; then mode_run_archive "$2"; else mode_run "$2"; fi ;;
+-h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' ;;
+*) echo "usage: $0 [--pack DIR|DIR.tar.xz | --run DIR|DIR.tar.xz]" >&2; exit 2 ;;
 esac
