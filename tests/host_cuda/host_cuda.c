@@ -103,9 +103,30 @@ void *backend_cuda_stream(void) {
     return NULL; /* the host twin runs in order */
 }
 
-/* Streams and graphs: the host twin runs in order and records nothing, so a capture is
- * refused and the decode step's graph path falls back to running its work as it is. */
+/* Streams and graphs: the host twin runs in order and records nothing, so by default a
+ * capture is refused and the decode step's graph path falls back to running its work as
+ * it is. host_cuda_fake_graphs (tests/host_model_graph.c) makes captures succeed with
+ * token graphs whose launches are only counted, or makes them fail at the end, so that
+ * the graph path's bookkeeping can be followed step by step. */
 static char g_stream_token;
+static int g_fake_graphs; /* 0 refused, 1 recorded (token graphs), 2 failing at the end */
+static int g_capturing;
+static uint64_t g_graph_launches;
+
+struct cuda_graph {
+    int id;
+};
+
+void host_cuda_fake_graphs(int mode);
+uint64_t host_cuda_graph_launches(void);
+
+void host_cuda_fake_graphs(int mode) {
+    g_fake_graphs = mode;
+}
+
+uint64_t host_cuda_graph_launches(void) {
+    return g_graph_launches;
+}
 
 int backend_cuda_stream_new(void **out) {
     *out = &g_stream_token;
@@ -121,22 +142,40 @@ uint64_t backend_cuda_memory_epoch(void) {
 }
 
 int backend_cuda_capture_begin(void) {
-    return mo_errorf(MO_EUNSUPPORTED, "host twin: no CUDA graphs");
+    if (!g_fake_graphs)
+        return mo_errorf(MO_EUNSUPPORTED, "host twin: no CUDA graphs");
+    if (g_capturing)
+        return mo_errorf(MO_ESTATE, "host twin: a capture is already in progress");
+    g_capturing = 1;
+    return MO_OK;
 }
 
 int backend_cuda_capture_end(cuda_graph_t **out, int discard) {
-    (void)discard;
+    static int next_id;
     *out = NULL;
-    return mo_errorf(MO_ESTATE, "host twin: no capture in progress");
+    if (!g_capturing)
+        return mo_errorf(MO_ESTATE, "host twin: no capture in progress");
+    g_capturing = 0;
+    if (discard)
+        return MO_OK;
+    if (g_fake_graphs == 2)
+        return mo_errorf(MO_EDEVICE, "host twin: the capture failed");
+    *out = calloc(1, sizeof **out);
+    if (!*out)
+        return mo_errorf(MO_ENOMEM, "host twin: graph");
+    (*out)->id = ++next_id;
+    return MO_OK;
 }
 
 int backend_cuda_graph_launch(const cuda_graph_t *g) {
-    (void)g;
-    return mo_errorf(MO_ESTATE, "host twin: no CUDA graphs");
+    if (!g || g_capturing)
+        return mo_errorf(MO_ESTATE, "host twin: no graph to launch");
+    g_graph_launches++;
+    return MO_OK;
 }
 
 void backend_cuda_graph_free(cuda_graph_t *g) {
-    (void)g;
+    free(g);
 }
 
 int backend_cuda_device_info(cuda_device_info_t *info) {
