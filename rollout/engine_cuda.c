@@ -18,7 +18,7 @@
 struct engine_cuda {
     model_cuda_t *mc;
     float *kv;    /* (L, NB, 2, BS Hkv Dh) device */
-    int NB;       /* the cache's blocks: the host cache's, and with graphs one more */
+    int NB;       /* the cache's blocks: the host cache's, with graphs PAD_ROWS more */
     void *stream; /* with graphs: the engine's own stream (a cudaStream_t), else NULL */
 };
 
@@ -197,8 +197,10 @@ static int pad_inputs(engine_t *e, dec_in_t *in) {
     memcpy(req, in->req, sizeof *req * (size_t)n);
     for (int i = 0; i < n; i++)
         memcpy(tab + (size_t)i * mb, in->tables + (size_t)i * in->mb, sizeof *tab * in->mb);
-    for (int i = n; i < N; i++) /* req zeroed: temperature 0, greedy */
+    for (int i = n; i < N; i++) { /* greedy (temperature 0), every other filter off */
         tab[(size_t)i * mb] = e->kv.n_blocks + (i - n);
+        req[i].top_p = 1.0f;
+    }
     in->N = N;
     in->mb = mb;
     in->tokens = tok;
