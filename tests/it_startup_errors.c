@@ -3,8 +3,12 @@
  * `moerl run` starts nothing then. A learner whose learner.ranks does not divide the
  * experts goes through mpirun and its refusal is reported as the learner's error.
  * run.device cuda is refused by a build without the CUDA backend, and with expert
- * parallelism. */
+ * parallelism; learner.comm nccl with fewer GPUs than ranks stops the learner at startup. */
 #include <sys/stat.h>
+
+#ifdef MOERL_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#endif
 
 #include "tests/it_job.h"
 
@@ -124,19 +128,23 @@ static void test_keys_missing(void) {
     it_close(&j);
 }
 
+/* Keeps Open MPI on this host and inside the container (as tests/CMakeLists.txt does for
+ * the MPI suites). */
+static void local_mpi(void) {
+    setenv("OMPI_MCA_plm", "isolated", 1);
+    setenv("OMPI_MCA_btl", "self,vader", 1);
+    setenv("OMPI_MCA_pml", "ob1", 1);
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+}
+
 static void test_ranks_through_mpirun(void) {
     char extra[4096];
     it_knobs_t k = it_knobs_default();
     it_sections(extra, sizeof extra, &k);
     it_job_t j;
     it_open(&j, extra);
-    /* Keep Open MPI on this host and inside the container (as tests/CMakeLists.txt does
-     * for the MPI suites). */
-    setenv("OMPI_MCA_plm", "isolated", 1);
-    setenv("OMPI_MCA_btl", "self,vader", 1);
-    setenv("OMPI_MCA_pml", "ob1", 1);
-    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
-    setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+    local_mpi();
     const char *exe = tu_moerl_exe();
     /* 3 ranks cannot share the tiny model's 8 experts: every rank refuses, and the
      * learner's own message is what the job failure names. */
@@ -147,7 +155,8 @@ static void test_ranks_through_mpirun(void) {
 }
 
 /* run.device cuda: without the CUDA backend the config check refuses it at once, naming
- * the file and the key; in any build, a merged rollout adapter with it is refused. */
+ * the file and the key; in any build, a merged rollout adapter with it is refused; with
+ * NCCL, learner.comm nccl on fewer GPUs than ranks stops the learner at startup. */
 static void test_device_cuda(void) {
     char extra[4096];
     it_knobs_t k = it_knobs_default();
@@ -164,21 +173,38 @@ static void test_device_cuda(void) {
     const char *learner[] = {exe, "learner", j.config, NULL};
     expect_fail(run_to_end(&j, "learner.out", learner), "job.yaml:", no_cuda);
 #endif
-    const char *merged[] = {exe, "learner", j.config, "--set", "rollout.merge_adapter=true",
-                            NULL};
+    const char *merged[] = {exe, "learner", j.config, "--set", "rollout.merge_adapter=true", NULL};
     expect_fail(run_to_end(&j, "merged.out", merged),
                 "rollout.merge_adapter: cuda runs the rollout engine's adapter unmerged", NULL);
+#ifdef MOERL_HAVE_NCCL
+    /* learner.comm nccl over 2 ranks with fewer than 2 GPUs: every rank stops at startup
+     * saying why (none waits for the others), and the job failure names the learner. */
+    int ngpu = 0;
+    if (cudaGetDeviceCount(&ngpu) != cudaSuccess)
+        ngpu = 0;
+    if (ngpu < 2) {
+        local_mpi();
+        const char *nccl[] = {exe,
+                              "run",
+                              j.config,
+                              "--set",
+                              "learner.ranks=2",
+                              "--set",
+                              "learner.comm=nccl",
+                              "--no-status",
+                              NULL};
+        expect_fail(run_to_end(&j, "nccl.out", nccl), "the job failed: learner exited with status",
+                    "learner.comm nccl");
+    }
+#endif
     it_close(&j);
 }
 
 int main(void) {
     CU_TestInfo tests[] = {
-        {"bad config", test_bad_config},
-        {"endpoint in use", test_endpoint_in_use},
-        {"keys missing", test_keys_missing},
-        {"ranks through mpirun", test_ranks_through_mpirun},
-        {"run.device cuda", test_device_cuda},
-        CU_TEST_INFO_NULL,
+        {"bad config", test_bad_config},       {"endpoint in use", test_endpoint_in_use},
+        {"keys missing", test_keys_missing},   {"ranks through mpirun", test_ranks_through_mpirun},
+        {"run.device cuda", test_device_cuda}, CU_TEST_INFO_NULL,
     };
     return tu_main("it_startup_errors", tests);
 }
