@@ -767,6 +767,9 @@ static void check_rl(const moerl_config_t *c, const cfg_origin_t *org, config_er
  * (rollout/engine.h) on the GPU, in builds with the CUDA backend, without what the device
  * path cannot run. */
 static void check_device(const moerl_config_t *c, const cfg_origin_t *org, config_errors_t *e) {
+    if (c->run.device != DEV_CUDA && c->rollout.cuda_graphs)
+        report(e, org, blame(org, key_index("rollout", "cuda_graphs"), key_index("run", "device")),
+               "CUDA graphs replay the GPU's decode steps: they need run.device: cuda");
     if (c->run.device != DEV_CUDA)
         return;
     int dev = key_index("run", "device");
@@ -960,7 +963,8 @@ static const char *const doc_intro =
     "(multi-head latent attention, sigmoid or group-limited routers, shared experts, fp8 "
     "weights) stops the learner and the rollout workers at startup with the reason, and so "
     "does a missing CUDA device.\n"
-    "- `learner.comm: nccl` needs `run.device: cuda` and a build with NCCL.\n";
+    "- `learner.comm: nccl` needs `run.device: cuda` and a build with NCCL;\n"
+    "- `rollout.cuda_graphs: true` needs `run.device: cuda`.\n";
 
 void config_doc_markdown(FILE *out) {
     moerl_config_t def;

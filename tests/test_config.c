@@ -258,6 +258,10 @@ static const error_case_t error_cases[] = {
     {"cuda device with a merged rollout adapter",
      "run:\n  device: cuda\nrollout:\n  merge_adapter: true\n",
      {"cases/x.yaml:4: rollout.merge_adapter: cuda runs the rollout engine's adapter unmerged"}},
+    {"cuda graphs on the CPU",
+     "rollout:\n  cuda_graphs: true\n",
+     {"cases/x.yaml:2: rollout.cuda_graphs: CUDA graphs replay the GPU's decode steps: they "
+      "need run.device: cuda"}},
     {"nccl exchanges on the CPU",
      "learner:\n  ranks: 2\n  comm: nccl\n",
      {"cases/x.yaml:3: learner.comm: nccl exchanges the GPUs' memory: it needs run.device: "
